@@ -1,0 +1,103 @@
+"""Sample from a trained model, autoregressively or with Speculative Streaming.
+
+    python sample.py                                  # plain KV-cached decoding
+    python sample.py --speculative                    # one pass verifies a tree draft and drafts the next
+    python sample.py --speculative --tree=n16 --start="def main():"
+    python sample.py --start=FILE:prompt.txt --temperature=0.8 --top_p=0.95
+
+stdout holds only the samples (prompt + continuation, separated by a line of dashes);
+per-sample statistics and diagnostics go to stderr. With --speculative on a terminal,
+each pass's tokens are shown in alternating colours.
+"""
+import os
+import sys
+import warnings
+
+import torch
+
+from ss_mini.checkpoint import load_model
+from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
+from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.tree import make_tree
+
+config = dict(
+    out_dir="out",
+    start="\n",  # the prompt, or FILE:path to read it from a file
+    num_samples=1,
+    max_new_tokens=500,
+    temperature=0.0,  # 0 = greedy
+    top_k=0,  # 0 = off
+    top_p=1.0,  # 1.0 = off
+    seed=1337,
+    device="cpu",  # auto | cpu | cuda | mps
+    dtype="float32",
+    speculative=False,
+    tree="1,1,1",  # top-k per depth (the paper's Cartesian tree), or nN for a budget of N nodes
+    color="auto",  # auto (on a terminal) | True | False
+    threads=0,  # torch CPU threads; 0 = torch's default
+)
+COLORS = ("\033[34m", "\033[33m")  # blue, yellow
+RESET = "\033[0m"
+
+
+def read_prompt(start):
+    if start.startswith("FILE:"):
+        path = start[5:]
+        if not os.path.isfile(path):
+            raise UsageError(f"--start=FILE:{path}: no such file")
+        return open(path, encoding="utf-8").read()
+    return start
+
+
+def main(argv=None):
+    cfg = parse_args(config, argv, __doc__, flags=("speculative",))
+    device = pick_device(cfg["device"])
+    dtype = pick_dtype(cfg["dtype"], device)
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
+    text = read_prompt(cfg["start"])
+    if text:
+        prompt = tok.encode(text)
+    else:
+        prompt, shown = tok.empty_prompt()
+        print(f"empty prompt: starting from {shown}", file=sys.stderr)
+    speculative = cfg["speculative"]
+    if speculative and model.config.n_streams == 0:
+        raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has n_streams=0; "
+                         "train one with python train.py --n_streams=3, or sample without --speculative")
+    tree = make_tree(cfg["tree"], model.config.n_streams) if speculative else None
+    if cfg["color"].lower() not in ("auto", "true", "false"):
+        raise UsageError(f"--color takes auto, True or False, not {cfg['color']!r}")
+    color = sys.stdout.isatty() if cfg["color"] == "auto" else cfg["color"].lower() == "true"
+    for i in range(cfg["num_samples"]):
+        sys.stdout.write(tok.decode(prompt))
+        chunk_no = [0]
+
+        def show(tokens):
+            piece = tok.decode(tokens)
+            if color and speculative:
+                piece = COLORS[chunk_no[0] % 2] + piece + RESET
+            chunk_no[0] += 1
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"],
+                  seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
+        if speculative:
+            _, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree, **kw)
+        else:
+            _, stats = generate_ar(model, prompt, cfg["max_new_tokens"], **kw)
+        sys.stdout.write("\n---------------\n")
+        sys.stdout.flush()
+        print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {stats.new_tokens} new tokens, "
+              f"{stats.tokens_per_s:.0f} tokens/s, {stats.passes} forward passes, "
+              f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
+    try:
+        main()
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,63 @@
+"""Checkpoints: written atomically, read with weights_only=True.
+
+A checkpoint holds only tensors and plain Python types (model config, weights,
+optimizer state, iteration, best val loss, training config, tokenizer metadata), so
+`torch.load(..., weights_only=True)` reads it and a checkpoint from elsewhere cannot
+run code. It is written to a temporary file in the same folder and then moved over
+the old one with os.replace, so an interrupted save never leaves a broken file.
+"""
+import os
+from dataclasses import asdict, fields
+
+import torch
+
+from .data import Tokenizer
+from .model import GPT, GPTConfig
+
+
+def save_checkpoint(ckpt, path):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        torch.save(ckpt, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    if os.path.isdir(path):
+        path = os.path.join(path, "ckpt.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: run python train.py first (or pass --out_dir)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"{path} is not a readable ss_mini checkpoint ({type(e).__name__}: {str(e)[:80]}); "
+                           "retrain it or point to another one") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise RuntimeError(f"{path} is not an ss_mini checkpoint (no model/model_args); retrain it or point to another one")
+    return ckpt
+
+
+def model_config(model_args):
+    known = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in model_args.items() if k in known})
+
+
+def make_checkpoint(model, **extra):
+    """Weights of the uncompiled module (no `_orig_mod.` prefixes) plus plain-typed metadata."""
+    raw = getattr(model, "_orig_mod", model)
+    raw = getattr(raw, "module", raw)  # DistributedDataParallel
+    return {"model": raw.state_dict(), "model_args": asdict(raw.config), **extra}
+
+
+def load_model(path, device="cpu", dtype=torch.float32):
+    """(model in eval mode, tokenizer, checkpoint) from an out_dir or a ckpt.pt path."""
+    ckpt = load_checkpoint(path)
+    model = GPT(model_config(ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    model.to(device=device, dtype=dtype).eval()
+    return model, Tokenizer(ckpt["tokenizer"]), ckpt

@@ -1,0 +1,85 @@
+"""`--key=value` overrides of a script's config block, and device/dtype choice.
+
+Each script keeps its whole config in one dict at its top (nanoGPT style); this file
+only parses overrides against it: the type of each default is the type of the field,
+an unknown key or a bad value is a one-line error that names the choices.
+"""
+import sys
+
+import torch
+
+
+class UsageError(ValueError):
+    """A bad command line; scripts print it as one line `error: ...` and exit 1."""
+
+
+def _convert(key, raw, default):
+    if isinstance(default, bool):
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise UsageError(f"--{key} takes True or False, not {raw!r}")
+    for typ in (int, float):
+        if isinstance(default, typ):
+            try:
+                return typ(raw)
+            except ValueError:
+                raise UsageError(f"--{key} takes {'an integer' if typ is int else 'a number'}, not {raw!r}") from None
+    return raw
+
+
+def parse_args(config, argv=None, doc="", flags=()):
+    """Return a copy of `config` with --key=value overrides applied.
+
+    `flags` are keys that may be given bare (`--speculative` means `--speculative=True`).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = dict(config)
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print(doc.strip() + "\n\noptions (--key=value, defaults shown):")
+            width = max(len(k) for k in cfg)
+            for k, v in cfg.items():
+                print(f"  --{k:<{width}} = {v!r}")
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise UsageError(f"unexpected argument {arg!r}; options are --key=value (see --help)")
+        key, eq, raw = arg[2:].partition("=")
+        if key not in cfg:
+            raise UsageError(f"unknown option --{key}; valid: {', '.join('--' + k for k in cfg)}")
+        if not eq:
+            if key not in flags:
+                raise UsageError(f"--{key} needs a value: --{key}=VALUE (default {cfg[key]!r})")
+            raw = "True"
+        cfg[key] = _convert(key, raw, config[key])
+    return cfg
+
+
+def pick_device(name):
+    """'auto' = cuda, then mps, then cpu; anything else is checked to exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = name.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device=cuda but no CUDA device is available; use --device=cpu or --device=auto")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError("--device=mps but MPS is not available; use --device=cpu or --device=auto")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"unknown --device={name}; choose auto, cpu, cuda, cuda:N or mps")
+    return name
+
+
+def pick_dtype(name, device):
+    """'auto' = bf16 on CUDA where supported (else fp16), fp32 on CPU and MPS."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "float32"
+    if name not in ("float32", "bfloat16", "float16", "float64"):
+        raise UsageError(f"unknown --dtype={name}; choose auto, float32, bfloat16, float16 or float64")
+    return name

@@ -1,0 +1,282 @@
+"""A GPT-2 with speculative streams (Bhendawade et al., 2024, arXiv 2402.11131).
+
+The main stream is an ordinary causal GPT-2 (paper Eq. 1). At the input of layer
+N - Ns every main token M_t gets gamma extra tokens, its *speculative streams*
+S_{t,j} = M_t + P_j (Eq. 3), where P is the learned stream identifier embedding.
+In the top Ns layers, *multi-stream attention* (Eq. 2) lets stream j at t attend to
+the main stream at positions <= t and to streams 1..j at t; the main stream never
+attends to a stream, so its outputs do not depend on the streams at all. Every weight
+(blocks, final LayerNorm, LM head) is shared: S_{t,j} predicts x_{t+1+j} through the
+same head with which M_t predicts x_{t+1}. The only parameters that exist for drafting
+are the gamma x d entries of P.
+
+One forward serves training and decoding. Its input is a set of main *nodes* (a
+chain for training, a tree draft for decoding) with an attention mask built from
+parent pointers by `tree_mask`, plus the indices of the nodes that carry streams.
+With a `KVCache` the main keys/values of the nodes are appended after the cached
+prefix; streams are never cached, they read the main stream's cache.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True  # GPT-2 has biases in Linear and LayerNorm
+    n_streams: int = 3  # gamma: speculative streams; 0 makes this a plain GPT-2
+    n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
+    stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
+            raise ValueError(f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} when n_streams > 0")
+
+
+def tree_mask(parents, prefix_len=0):
+    """Attention mask of main nodes with parent pointers: the one mask builder.
+
+    parents: sequence of ints, parents[i] < i, -1 for a root. Returns a bool tensor
+    (n, prefix_len + n), True = may attend: node u sees the cached prefix, its
+    ancestors and itself. A chain (parents = [-1, 0, 1, ...]) gives the causal mask
+    of training. Streams see what their node sees plus their own lower streams
+    (`stream_mask`).
+    """
+    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+    n = len(parents)
+    if np.any(parents >= np.arange(n)):
+        raise ValueError("parents must point to earlier nodes (parents[i] < i)")
+    anc = np.eye(n, dtype=bool)
+    for i in np.flatnonzero(parents >= 0):  # row parents[i] is complete before row i
+        anc[i] |= anc[parents[i]]
+    return torch.from_numpy(np.pad(anc, ((0, 0), (prefix_len, 0)), constant_values=True))
+
+
+def stream_mask(mask, n_streams, stream_idx=None):
+    """Mask of the stream rows (Eq. 2), from the main mask (n, Lk) of `tree_mask`.
+
+    Stream rows are ordered (node, j) for the nodes in stream_idx (None = all). Keys
+    are [the Lk main keys; the stream rows]: stream (u, j) sees the main keys that u
+    sees and the streams (u, i <= j). Returns a bool tensor (m*g, Lk + m*g).
+    """
+    rows = mask if stream_idx is None else mask[stream_idx]
+    m, g = rows.shape[0], n_streams
+    tril = torch.tril(torch.ones(g, g, dtype=torch.bool, device=rows.device))
+    eye = torch.eye(m, dtype=torch.bool, device=rows.device)
+    own = (eye[:, None, :, None] & tril[None, :, None, :]).reshape(m * g, m * g)
+    return torch.cat([rows.repeat_interleave(g, dim=0), own], dim=1)
+
+
+class KVCache:
+    """Preallocated keys/values of the main stream for all layers, with a length pointer.
+
+    A forward over n nodes writes tentative K/V at slots L..L+n-1 (`length` stays L);
+    `accept` then keeps the accepted ones at L..L+a-1. One tensor for all layers, so
+    that compacting an accepted path is one gather for the whole model.
+    """
+
+    def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32):
+        hd = config.n_embd // config.n_head
+        self.kv = torch.zeros(config.n_layer, 2, batch_size, config.n_head, max_len, hd, device=device, dtype=dtype)
+        self.length = 0
+
+    def write(self, layer, k, v):
+        """Store a pass's K/V (B, H, n, hd) after the prefix; return all keys/values so far."""
+        L, n = self.length, k.shape[2]
+        if L + n > self.kv.shape[4]:
+            raise ValueError(f"KV cache overflow: {L} + {n} > {self.kv.shape[4]} slots")
+        self.kv[layer, 0, :, :, L:L + n] = k
+        self.kv[layer, 1, :, :, L:L + n] = v
+        return self.kv[layer, 0, :, :, :L + n], self.kv[layer, 1, :, :, :L + n]
+
+    def accept(self, path):
+        """Keep the tentative slots `path` (sorted node indices) as L..L+a-1, or the first `path` if int."""
+        if isinstance(path, int):
+            self.length += path
+            return
+        a, L = path.numel(), self.length
+        self.kv[..., L:L + a, :] = self.kv[..., L + path, :]  # index_select copies first: no aliasing
+        self.length += a
+
+    def reset(self):
+        self.length = 0
+
+
+class MultiStreamAttention(nn.Module):
+    """Causal self-attention of the main stream plus multi-stream attention (Eq. 2).
+
+    Input rows: n main nodes, then the stream rows. The main rows attend only to main
+    keys (the cached prefix and the nodes, under `mask`), so they never see a stream.
+    The stream rows attend, in one fused call, to [main keys; stream keys] under
+    `smask` (see `stream_mask`): n*g*(Lk + n*g) scores instead of the (n*(1+g))^2 of
+    one attention call over every row, and no main row pays for the streams.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, n, mask, smask, cache, layer):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (B, H, T, hd)
+        km, vm = k[:, :, :n], v[:, :, :n]
+        if cache is not None:
+            km, vm = cache.write(layer, km, vm)
+        p = self.dropout if self.training else 0.0
+        # bool masks, True = may attend; mask=None: every node sees every key (a one-token step)
+        y = F.scaled_dot_product_attention(q[:, :, :n], km, vm, attn_mask=mask, dropout_p=p)
+        if T > n:
+            ks, vs = torch.cat([km, k[:, :, n:]], dim=2), torch.cat([vm, v[:, :, n:]], dim=2)
+            y = torch.cat([y, F.scaled_dot_product_attention(q[:, :, n:], ks, vs, attn_mask=smask, dropout_p=p)], dim=2)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block. Main and stream rows share every weight, so
+    all per-token work runs on them as one sequence; only attention tells them apart."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = MultiStreamAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, n, mask, smask, cache, layer):
+        x = x + self.attn(self.ln_1(x), n, mask, smask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        if config.n_streams:
+            self.stream_emb = nn.Parameter(torch.zeros(config.n_streams, config.n_embd))  # P of Eq. 3
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.n_streams:
+            nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
+        self._train_masks = {}
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def param_counts(self):
+        """(base, draft): draft parameters exist only for drafting (the stream embeddings P)."""
+        draft = self.stream_emb.numel() if self.config.n_streams else 0
+        return sum(p.numel() for p in self.parameters()) - draft, draft
+
+    def forward_nodes(self, idx, pos, mask=None, stream_idx=None, cache=None, streams=True, last_only=False, smask=None):
+        """Run main nodes idx (B, n) at positions pos (n,) and the streams of some of them.
+
+        mask: bool (n, Lk) from `tree_mask` (Lk = cached length + n), or None when every
+        node may see every key. stream_idx: the nodes that carry streams (None = all);
+        streams=False: none. smask: the stream mask, if the caller has it built already.
+        Returns main logits (B, n, V) (only the last node's with last_only) and stream
+        logits (B, m, gamma, V), or None without streams.
+        """
+        cfg = self.config
+        B, n = idx.shape
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        first_msa = cfg.n_layer - cfg.n_msa_layers if (cfg.n_streams and streams) else cfg.n_layer
+        for i, block in enumerate(self.transformer.h):
+            if i == first_msa:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
+                src = x if stream_idx is None else x[:, stream_idx]
+                x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb).flatten(1, 2)], dim=1)
+                if smask is None:
+                    Lk = n + (cache.length if cache is not None else 0)
+                    rows = mask if mask is not None else torch.ones(n, Lk, dtype=torch.bool, device=idx.device)
+                    smask = stream_mask(rows, cfg.n_streams, stream_idx)
+            x = block(x, n, mask, smask, cache, i)
+        if last_only:
+            x, n = torch.cat([x[:, n - 1:n], x[:, n:]], dim=1), 1
+        logits = self.lm_head(self.transformer.ln_f(x))
+        stream = logits[:, n:].unflatten(1, (-1, cfg.n_streams)) if x.shape[1] > n else None
+        return logits[:, :n], stream
+
+    def _chain_masks(self, T, device):
+        """Training is the decoding mask rule applied to a chain: built once per length."""
+        if (T, device) not in self._train_masks:
+            mask = tree_mask(np.arange(T) - 1).to(device)
+            self._train_masks[(T, device)] = (mask, stream_mask(mask, self.config.n_streams) if self.config.n_streams else None)
+        return self._train_masks[(T, device)]
+
+    def forward(self, idx, targets=None):
+        """Training forward over a chain: returns (main logits, stream logits, losses).
+
+        losses (when targets are given): 'loss' = Eq. 5, CE(main) + sum_j alpha_j CE(stream j),
+        'main' and 'streams' (a list) for logging. targets[b, t] = x_{t+1}; stream j at t is
+        trained on targets[b, t+j], and positions past the end are ignored.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        mask, smask = self._chain_masks(T, idx.device)
+        main, stream = self.forward_nodes(idx, pos, mask, smask=smask)
+        if targets is None:
+            return main, stream, None
+        V = main.shape[-1]
+        main_loss = F.cross_entropy(main.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
+        loss, stream_losses = main_loss, []
+        for j in range(1, self.config.n_streams + 1):
+            tgt = F.pad(targets[:, j:], (0, j), value=-1)  # x_{t+1+j}; -1 past the end
+            lj = F.cross_entropy(stream[:, :, j - 1].reshape(-1, V), tgt.reshape(-1), ignore_index=-1)
+            stream_losses.append(lj)
+            loss = loss + self.config.stream_loss_weight * lj
+        return main, stream, {"loss": loss, "main": main_loss, "streams": stream_losses}
+
+    def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]  # matrices decay; biases, norms and P do not
+        no_decay = [p for p in params if p.dim() < 2 or p is getattr(self, "stream_emb", None)]
+        decay = [p for p in decay if all(p is not q for q in no_decay)]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

@@ -1,0 +1,201 @@
+"""The decoders: greedy identity, lossless sampling, edge cases."""
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import random_model
+
+from ss_mini.checkpoint import load_model
+from ss_mini.generate import generate_ar, generate_speculative, target_probs
+from ss_mini.model import GPT, GPTConfig
+from ss_mini.tree import BudgetTree, CartesianTree, make_tree
+
+TREES = ["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
+
+
+@pytest.mark.parametrize("spec", TREES)
+def test_greedy_identity_random_models(spec):
+    for seed in range(3):
+        model = random_model(seed=seed, std=0.4)
+        tree = make_tree(spec, 3)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(4):
+            prompt = torch.randint(0, 11, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+            ar, _ = generate_ar(model, prompt, 70)  # 70 > block_size: crosses the sliding window
+            ss, stats = generate_speculative(model, prompt, 70, tree)
+            assert ss == ar, (spec, seed, prompt)
+            assert stats.new_tokens == 70 and sum(stats.accepted) >= 69
+
+
+def test_greedy_identity_trained_model(tiny_ckpt):
+    model, tok, _ = load_model(tiny_ckpt, dtype=torch.float64)
+    prompts = ["import os\n", "def f(x):\n    return", "class A:\n    def __init__(self):\n        self.", "#"]
+    for spec in ("1,1,1", "3,2,1", "n8", "n32"):
+        tree = make_tree(spec, model.config.n_streams)
+        taus = []
+        for p in prompts:
+            ar, _ = generate_ar(model, tok.encode(p), 120)
+            ss, stats = generate_speculative(model, tok.encode(p), 120, tree)
+            assert ss == ar
+            taus.append(stats.mean_accepted)
+        assert sum(taus) / len(taus) > 1.2  # the trained streams do draft something
+
+
+def test_budget_tree_is_best_first_and_holds_top1_chain():
+    q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6], [0.5, 0.3, 0.1, 0.1]]))
+    tokens, parents, depths, children = BudgetTree(6, 3).draft(torch.tensor([7]), q, 3)
+    assert tokens[0] == 7 and parents[0] == -1
+    chain = [0]
+    for d in range(3):
+        chain.append(next(c for c in children[chain[-1]] if tokens[c] == [0, 0, 0][d]))
+    assert [depths[c] for c in chain] == [0, 1, 2, 3]
+    # best-first after the forced chain (.5, .45, .225): the next best paths are .3 and .3*.9
+    scores = []
+    for u in range(1, 6):
+        s, v = 1.0, u
+        while v > 0:
+            s *= q[depths[v] - 1].exp()[tokens[v]].item()
+            v = parents[v]
+        scores.append(round(s, 4))
+    assert sorted(scores, reverse=True) == [0.5, 0.45, 0.3, 0.27, 0.225]
+    assert all(parents[i] < i for i in range(1, 6))
+    assert BudgetTree(9, 3).draft(torch.tensor([1]), q, 1)[2] == [0, 1, 1, 1, 1]  # depth cut
+
+
+def test_cartesian_tree_shape():
+    t = CartesianTree((3, 2, 1))
+    assert len(t) == 1 + 3 + 6 + 6
+    assert t.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
+    assert all(t.parents[i] < i for i in range(1, len(t)))
+    q = torch.randn(3, 11)
+    tokens, n = t.draft(torch.tensor([5]), q, 2)
+    assert n == 10 and tokens[0] == 5
+    top = torch.topk(q, 3).indices
+    assert tokens[1:4].tolist() == top[0].tolist()
+    assert tokens[4:10].tolist() == top[1, :2].tolist() * 3
+    with pytest.raises(ValueError):
+        make_tree("1,1,1,1", 3)
+    with pytest.raises(ValueError):
+        make_tree("abc", 3)
+
+
+def _exact_first_tokens(model, prompt, k, **kw):
+    """P(x_1..x_k | prompt) by enumeration with full forwards."""
+    V = model.config.vocab_size
+    probs = {}
+    for seq in itertools.product(range(V), repeat=k):
+        p = 1.0
+        for i in range(k):
+            logits, _, _ = model(torch.tensor([prompt + list(seq[:i])]))
+            p *= target_probs(logits[0, -1], **kw)[seq[i]].item()
+        probs[seq] = p
+    return probs
+
+
+def _chi_square_ok(counts, probs, n):
+    """Pearson's test, categories with expected < 5 pooled; fails at p < 1e-3
+    (Wilson-Hilferty approximation of the chi-square quantile)."""
+    stat, df, pool_o, pool_e = 0.0, -1, 0, 0.0
+    for seq, p in probs.items():
+        e, o = p * n, counts.get(seq, 0)
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+            continue
+        stat, df = stat + (o - e) ** 2 / e, df + 1
+    if pool_e > 0:
+        stat, df = stat + (pool_o - pool_e) ** 2 / max(pool_e, 1e-9), df + 1
+    z = 3.09  # one-sided 1e-3
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit, stat, crit
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)])
+def test_sampling_is_lossless(kw):
+    model = random_model(seed=1, std=0.5, vocab_size=4, n_streams=2, block_size=16)
+    prompt, k, n = [1, 2], 3, 1000
+    probs = _exact_first_tokens(model, prompt, k, **kw)
+    tree = make_tree("2,2", 2)
+    counts, accepted = {}, []
+    for i in range(n):
+        out, stats = generate_speculative(model, prompt, k, tree, seed=i, **kw)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        accepted += stats.accepted
+    ok, stat, crit = _chi_square_ok(counts, probs, n)
+    assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
+    assert max(accepted) > 1  # drafts were accepted, so the test exercised the tree walk
+    counts_ar = {}
+    for i in range(n):
+        out, _ = generate_ar(model, prompt, k, seed=i, **kw)
+        counts_ar[tuple(out)] = counts_ar.get(tuple(out), 0) + 1
+    assert _chi_square_ok(counts_ar, probs, n)[0]
+
+
+def test_target_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_k=2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.6), torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.75), torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.01), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
+def _rigged(V=5, c=3):
+    """A model that always predicts token c, from the main stream and from every stream."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=24, vocab_size=V, n_streams=3, n_msa_layers=1))
+    with torch.no_grad():
+        for blk in model.transformer.h:  # blocks add nothing
+            for lin in (blk.attn.c_proj, blk.mlp.c_proj):
+                lin.weight.zero_(), lin.bias.zero_()
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(torch.eye(8)[0] * 10)
+        model.transformer.wte.weight.zero_()
+        model.transformer.wte.weight[c, 0] = 1.0
+    return model.double().eval()
+
+
+def test_every_draft_accepted_and_every_draft_rejected(monkeypatch):
+    model = _rigged()
+    ar, _ = generate_ar(model, [0, 1], 40)
+    assert ar == [3] * 40
+    ss, stats = generate_speculative(model, [0, 1], 40, make_tree("1,1,1", 3))
+    assert ss == ar and stats.accepted[:5] == [4] * 5  # root + 3 drafts every pass
+    forward = model.forward_nodes
+
+    def wrong_drafts(*a, **k):  # streams now always propose token 4, which the model never emits
+        main, streams = forward(*a, **k)
+        return main, torch.zeros_like(streams).index_fill_(-1, torch.tensor([4]), 50.0)
+
+    monkeypatch.setattr(model, "forward_nodes", wrong_drafts)
+    ss, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3))
+    assert ss == ar and set(stats.accepted) == {1}
+
+
+def test_edge_cases():
+    model = random_model(seed=3, std=0.4)
+    T = model.config.block_size
+    tree = make_tree("2,1,1", 3)
+    for prompt, n in (([5], 1), ([5], 30), ([1] * (T - 1), 20), ([2] * T, 20), ([4, 2], 1)):
+        ar, sa = generate_ar(model, prompt, n)
+        ss, sb = generate_speculative(model, prompt, n, tree)
+        assert ss == ar and len(ss) == n
+        assert sa.passes >= n  # one pass per token, plus a rebuild when the window slides
+    with pytest.warns(UserWarning, match="keeping the last"):
+        long_ar, _ = generate_ar(model, list(range(11)) * 5, 10)
+    assert long_ar == generate_ar(model, (list(range(11)) * 5)[-T:], 10)[0]
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_ar(model, [], 5)
+    with pytest.raises(ValueError, match="n_streams=0"):
+        generate_speculative(random_model(n_streams=0), [1], 5, tree)
+
+
+def test_stops_at_end_of_text():
+    model = _rigged(c=3)
+    for gen in (lambda: generate_ar(model, [0], 20, eot=3), lambda: generate_speculative(model, [0], 20, make_tree("1,1,1", 3), eot=3)):
+        out, stats = gen()
+        assert out == [] and stats.new_tokens == 0
+    model = random_model(seed=4, std=0.4)
+    ar, _ = generate_ar(model, [1, 2, 3], 60)
+    eot = ar[25]
+    ar_eot, _ = generate_ar(model, [1, 2, 3], 60, eot=eot)
+    ss_eot, _ = generate_speculative(model, [1, 2, 3], 60, make_tree("3,2,1", 3), eot=eot)
+    assert ar_eot == ss_eot == ar[:ar.index(eot)]

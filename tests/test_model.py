@@ -1,0 +1,200 @@
+"""The model: Eq. 1-3 and 5, the mask rule, the KV cache."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_model
+
+from ss_mini.model import GPT, GPTConfig, KVCache, stream_mask, tree_mask
+
+
+def reference_gpt2(model, idx):
+    """GPT-2 written out independently (minGPT style) on the same weights: the main stream
+    must be exactly this network."""
+    sd, cfg = model.state_dict(), model.config
+    H, C = cfg.n_head, cfg.n_embd
+    B, T = idx.shape
+    x = sd["transformer.wte.weight"][idx] + sd["transformer.wpe.weight"][:T]
+    ln = lambda x, p: F.layer_norm(x, (C,), sd[p + ".weight"], sd[p + ".bias"])
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        h = ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"].T + sd[p + "attn.c_attn.bias"]
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in h.split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + y @ sd[p + "attn.c_proj.weight"].T + sd[p + "attn.c_proj.bias"]
+        h = ln(x, p + "ln_2") @ sd[p + "mlp.c_fc.weight"].T + sd[p + "mlp.c_fc.bias"]
+        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+        x = x + h @ sd[p + "mlp.c_proj.weight"].T + sd[p + "mlp.c_proj.bias"]
+    return ln(x, "transformer.ln_f") @ sd["transformer.wte.weight"].T
+
+
+def reference_streams(model, idx):
+    """Eq. 2-3 by brute force: for every (t, j), run the top layers on the sequence
+    [main_0..main_t, S_t1..S_tj] with plain causal attention and read the last row."""
+    cfg = model.config
+    B, T = idx.shape
+    h = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(T))
+    first = cfg.n_layer - cfg.n_msa_layers
+    for blk in model.transformer.h[:first]:
+        h = blk(h, T, tree_mask(np.arange(T) - 1), None, None, 0)
+    out = torch.zeros(B, T, cfg.n_streams, cfg.vocab_size, dtype=h.dtype)
+    for t in range(T):
+        for j in range(1, cfg.n_streams + 1):
+            x = torch.cat([h[:, :t + 1], h[:, t:t + 1] + model.stream_emb[:j].unsqueeze(0)], dim=1)
+            n = x.shape[1]
+            for blk in model.transformer.h[first:]:
+                x = blk(x, n, tree_mask(np.arange(n) - 1), None, None, 0)  # all rows as "main": causal
+            out[:, t, j - 1] = model.lm_head(model.transformer.ln_f(x[:, -1]))
+    return out
+
+
+def test_main_stream_is_gpt2_and_ignores_streams():
+    model = random_model(std=0.3)
+    idx = torch.randint(0, 11, (2, 20))
+    main, streams, _ = model(idx)
+    torch.testing.assert_close(main, reference_gpt2(model, idx), rtol=0, atol=1e-10)
+    plain = random_model(std=0.3, n_streams=0)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k != "stream_emb"})
+    torch.testing.assert_close(plain(idx)[0], main, rtol=0, atol=0)
+    with torch.no_grad():
+        model.stream_emb.add_(torch.randn_like(model.stream_emb))
+    main2, streams2, _ = model(idx)
+    assert torch.equal(main, main2)
+    assert not torch.allclose(streams, streams2)
+
+
+def test_streams_follow_multi_stream_attention():
+    model = random_model(std=0.3)
+    idx = torch.randint(0, 11, (1, 9))
+    _, streams, _ = model(idx)
+    torch.testing.assert_close(streams, reference_streams(model, idx), rtol=0, atol=1e-10)
+
+
+def test_stream_sees_only_what_the_mask_allows():
+    model = random_model(std=0.3)
+    idx = torch.randint(0, 11, (1, 12))
+    _, base, _ = model(idx)
+    t = 6
+    later = idx.clone()
+    later[0, t + 1] = (later[0, t + 1] + 1) % 11  # a future main position: no stream at <= t may change
+    _, s, _ = model(later)
+    assert torch.equal(s[0, :t + 1], base[0, :t + 1]) and not torch.allclose(s[0, t + 1:], base[0, t + 1:])
+    earlier = idx.clone()
+    earlier[0, t] = (earlier[0, t] + 1) % 11  # main position t: every stream at t sees it
+    _, s, _ = model(earlier)
+    assert torch.equal(s[0, :t], base[0, :t]) and not torch.allclose(s[0, t], base[0, t])
+    # stream j sees streams i <= j at its position only: change P_2, stream 1 stays
+    with torch.no_grad():
+        model.stream_emb[1] += torch.randn(16, dtype=torch.float64)  # a constant would vanish in LayerNorm
+    _, s, _ = model(idx)
+    assert torch.equal(s[..., 0, :], base[..., 0, :])
+    assert not torch.allclose(s[..., 1, :], base[..., 1, :]) and not torch.allclose(s[..., 2, :], base[..., 2, :])
+
+
+def test_tree_mask_rule():
+    m = tree_mask([-1, 0, 0, 1, 3], prefix_len=2).int().tolist()
+    assert m == [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0],
+                 [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 1, 1]]
+    assert torch.equal(tree_mask(np.arange(6) - 1), torch.tril(torch.ones(6, 6, dtype=torch.bool)))
+    s = stream_mask(tree_mask([-1, 0]), 2).int().tolist()  # keys: 2 main, then streams (0,1) (0,2) (1,1) (1,2)
+    assert s == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
+    with pytest.raises(ValueError):
+        tree_mask([0, -1])
+
+
+def test_loss_matches_hand_computation():
+    model = random_model(std=0.3)
+    idx = torch.randint(0, 11, (2, 7))
+    tgt = torch.randint(0, 11, (2, 7))
+    main, streams, losses = model(idx, tgt)
+    lp_main = main.log_softmax(-1)
+    ce_main = -sum(lp_main[b, t, tgt[b, t]] for b in range(2) for t in range(7)) / 14
+    total = ce_main
+    for j in range(1, 4):
+        lp = streams[:, :, j - 1].log_softmax(-1)
+        terms = [-lp[b, t, tgt[b, t + j]] for b in range(2) for t in range(7 - j)]
+        ce = sum(terms) / len(terms)
+        torch.testing.assert_close(losses["streams"][j - 1], ce)
+        total = total + 0.1 * ce
+    torch.testing.assert_close(losses["main"], ce_main)
+    torch.testing.assert_close(losses["loss"], total)
+
+
+def test_param_report():
+    model = random_model(n_streams=4)
+    base, draft = model.param_counts()
+    assert draft == 4 * 16
+    assert base + draft == sum(p.numel() for p in model.parameters())
+    assert random_model(n_streams=0).param_counts() == (base, 0)
+
+
+def _prefill(model, tokens):
+    cache = KVCache(model.config, 64, dtype=torch.float64)
+    n = len(tokens)
+    main, streams = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), tree_mask(np.arange(n) - 1),
+                                        cache=cache)
+    cache.accept(n)
+    return cache, main, streams
+
+
+def test_incremental_decoding_equals_full_forward():
+    model = random_model(std=0.3)
+    tokens = torch.randint(0, 11, (20,)).tolist()
+    full_main, full_streams, _ = model(torch.tensor([tokens]))
+    cache, main, streams = _prefill(model, tokens[:5])
+    torch.testing.assert_close(main, full_main[:, :5], rtol=0, atol=1e-10)
+    for t in range(5, 20):
+        m, s = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
+        cache.accept(1)
+        torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
+        torch.testing.assert_close(s[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
+
+
+def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
+    model = random_model(std=0.3)
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, 11, (6,), generator=gen).tolist()
+    cache, _, _ = _prefill(model, ctx)
+    for step in range(4):  # several steps: each leaves the cache equal to a fresh prefill
+        n = 7
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        depths = [0] * n
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        tokens = torch.randint(0, 11, (n,), generator=gen).tolist()
+        L = cache.length
+        main, streams = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L,
+                                            tree_mask(parents, L), cache=cache)
+        for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
+            path, v = [], u
+            while v >= 0:
+                path.append(v)
+                v = parents[v]
+            seq = ctx + [tokens[v] for v in reversed(path)]
+            ref_main, ref_streams, _ = model(torch.tensor([seq]))
+            torch.testing.assert_close(main[0, u], ref_main[0, -1], rtol=0, atol=1e-10)
+            torch.testing.assert_close(streams[0, u], ref_streams[0, -1], rtol=0, atol=1e-10)
+        leaf = max(range(n), key=lambda u: depths[u])
+        path, v = [], leaf
+        while v >= 0:
+            path.append(v)
+            v = parents[v]
+        path = sorted(path)
+        cache.accept(torch.tensor(path))
+        ctx = ctx + [tokens[v] for v in path]
+        fresh, _, _ = _prefill(model, ctx)
+        assert cache.length == fresh.length == len(ctx)
+        torch.testing.assert_close(cache.kv[..., :len(ctx), :], fresh.kv[..., :len(ctx), :], rtol=0, atol=1e-10)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=10, n_head=3)
+    with pytest.raises(ValueError, match="n_msa_layers"):
+        GPTConfig(n_layer=2, n_msa_layers=3)
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_msa_layers=1, n_embd=8, n_head=2))(torch.zeros(1, 9, dtype=torch.long))

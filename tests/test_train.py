@@ -1,0 +1,141 @@
+"""train.py, checkpoints and sample.py, as a user runs them."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from ss_mini.checkpoint import load_checkpoint, load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=32", "--batch_size=4", "--eval_iters=2",
+        "--log_interval=1", "--warmup_iters=2"]
+
+
+def run(script, *args, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                          cwd=kw.get("cwd"), timeout=300)
+
+
+def test_train_end_to_end_resume_and_fine_tune(tmp_path):
+    out, data = tmp_path / "out", tmp_path / "data"
+    common = [f"--data_dir={data}", *TINY]
+    r = run("train.py", f"--out_dir={out}", *common, "--max_iters=6", "--eval_interval=3")
+    assert r.returncode == 0, r.stderr
+    assert "ms/iter" in r.stdout and "tokens/s" in r.stdout and "min left" in r.stdout
+    assert "s1" in r.stdout and "s3" in r.stdout  # per-stream val loss
+    ckpt = load_checkpoint(str(out))
+    assert ckpt["iter_num"] == 6 and ckpt["tokenizer"]["tokenizer"] == "char"
+    assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
+    r = run("train.py", f"--out_dir={out}", *common, "--max_iters=9", "--eval_interval=3", "--init_from=resume")
+    assert r.returncode == 0, r.stderr
+    assert "iter 7:" in r.stdout and "iter 1:" not in r.stdout
+    assert load_checkpoint(str(out))["iter_num"] == 9
+    # a model without streams, then streams added to it by fine-tuning
+    plain, ft = tmp_path / "plain", tmp_path / "ft"
+    assert run("train.py", f"--out_dir={plain}", *common, "--max_iters=3", "--eval_interval=3",
+               "--n_streams=0").returncode == 0
+    r = run("train.py", f"--out_dir={ft}", *common, "--max_iters=3", "--eval_interval=3", "--n_streams=2",
+            "--n_msa_layers=1", f"--init_from={plain}/ckpt.pt")
+    assert r.returncode == 0, r.stderr
+    model, _, _ = load_model(str(ft))
+    base, _, _ = load_model(str(plain))
+    assert model.config.n_streams == 2 and model.param_counts()[1] == 2 * 16
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it trained
+
+
+def test_bad_command_lines(tmp_path):
+    r = run("train.py", "--bogus=1")
+    assert r.returncode != 0 and "unknown option --bogus" in r.stderr and "--max_iters" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run("train.py", "--max_iters=ten")
+    assert "takes an integer" in r.stderr
+    r = run("train.py", "--help")
+    assert r.returncode == 0 and "--n_streams" in r.stdout and "= 3" in r.stdout
+    r = run("sample.py", f"--out_dir={tmp_path}/nothing")
+    assert r.returncode != 0 and "run python train.py first" in r.stderr
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"not a checkpoint")
+    r = run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--init_from=resume")
+    assert r.returncode != 0 and "not a readable ss_mini checkpoint" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert (out / "ckpt.pt").read_bytes() == b"not a checkpoint"  # nothing overwritten
+    with pytest.raises(FileNotFoundError, match="run python train.py first"):
+        load_checkpoint(str(tmp_path / "missing"))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from ss_mini import checkpoint
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save_checkpoint({"model": {}, "model_args": {}, "v": 1}, str(path))
+
+    def crash(obj, f):
+        open(f, "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint({"model": {}, "model_args": {}, "v": 2}, str(path))
+    assert checkpoint.load_checkpoint(str(path))["v"] == 1
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_sample_cli(tiny_ckpt, tmp_path):
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--speculative",
+            "--num_samples=2", "--tree=2,1,1")
+    assert r.returncode == 0, r.stderr
+    samples = r.stdout.split("\n---------------\n")
+    assert len(samples) == 3 and samples[0].startswith("def ") and samples[1].startswith("def ")
+    assert "\033[" not in r.stdout  # not a terminal: no colour
+    assert r.stderr.count("tokens per pass") == 2 and "forward passes" in r.stderr
+    plain = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--num_samples=2")
+    assert plain.stdout == r.stdout  # greedy: the same text with and without speculation
+    colored = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--speculative",
+                  "--color=True")
+    assert "\033[34m" in colored.stdout
+    (tmp_path / "p.txt").write_text("import os\n")
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", f"--start=FILE:{tmp_path / 'p.txt'}", "--max_new_tokens=5")
+    assert r.returncode == 0 and r.stdout.startswith("import os\n")
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=", "--max_new_tokens=5")
+    assert r.returncode == 0 and "empty prompt" in r.stderr
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=\u2603\u2602", "--max_new_tokens=5")
+    assert r.returncode != 0 and "not in the model's vocabulary" in r.stderr and "\u2603" in r.stderr
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=" + "x = 1\n" * 20, "--max_new_tokens=5")
+    assert r.returncode == 0 and "keeping the last 48" in r.stderr
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--speculative", "--tree=1,1,1,1,1")
+    assert r.returncode != 0 and "streams" in r.stderr
+
+
+def test_sample_speculative_on_plain_model_is_a_clear_error(tmp_path):
+    out = tmp_path / "plain"
+    assert run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--max_iters=2",
+               "--eval_interval=2", "--n_streams=0").returncode == 0
+    r = run("sample.py", f"--out_dir={out}", "--speculative", "--max_new_tokens=5")
+    assert r.returncode != 0 and "n_streams=0" in r.stderr and "without --speculative" in r.stderr
+
+
+def test_torchrun_two_processes(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561",
+                        os.path.join(ROOT, "train.py"), f"--out_dir={tmp_path}/ddp", f"--data_dir={tmp_path}/data",
+                        *TINY, "--max_iters=4", "--eval_interval=2", "--gradient_accumulation_steps=2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 process(es)" in r.stdout and load_checkpoint(f"{tmp_path}/ddp")["iter_num"] == 4
+
+
+def test_bench_json(tiny_ckpt):
+    import json
+    r = run("bench.py", f"--out_dir={tiny_ckpt}", "--num_prompts=3", "--max_new_tokens=30", "--prompt_tokens=20",
+            "--candidates=1,1,1;n4", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("ar_tokens_per_s", "ss_tokens_per_s", "speedup", "mean_accepted", "call_reduction", "efficiency",
+                "match_rate", "tree", "draft_params", "base_params", "device"):
+        assert key in doc
+    assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "4 nodes")

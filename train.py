@@ -1,0 +1,241 @@
+"""Train a GPT with speculative streams (paper Eq. 5: main CE + sum_j alpha_j CE of stream j).
+
+    python train.py                                 # the default: char-level Python code
+    python train.py --dataset=shakespeare           # prose
+    python train.py --n_streams=0 --out_dir=out-ar  # the same model without streams
+    python train.py --init_from=out-ar/ckpt.pt --out_dir=out-ft   # add streams to it
+    torchrun --nproc_per_node=2 train.py            # data-parallel
+"""
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from ss_mini.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
+from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
+from ss_mini.data import Tokenizer, load_split, prepare
+from ss_mini.model import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------- config
+config = dict(
+    out_dir="out",
+    dataset="python",  # python | shakespeare | text:PATH
+    tokenizer="char",  # char | gpt2
+    data_dir="data",
+    init_from="scratch",  # scratch | resume (out_dir/ckpt.pt) | PATH of a checkpoint to fine-tune
+    eval_interval=250,
+    eval_iters=20,
+    log_interval=25,
+    always_save_checkpoint=False,  # else only when val loss improves
+    # model (GPTConfig); the default balances ~9 minutes of 2-core CPU training against decode speed
+    n_layer=4,
+    n_head=4,
+    n_embd=128,
+    block_size=128,
+    dropout=0.0,
+    bias=True,
+    n_streams=3,
+    n_msa_layers=2,
+    stream_loss_weight=0.1,
+    # optimisation
+    batch_size=16,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-3,
+    max_iters=1300,
+    weight_decay=0.1,
+    beta1=0.9,
+    beta2=0.99,
+    grad_clip=1.0,
+    warmup_iters=100,
+    min_lr=1e-4,  # cosine decay from learning_rate to min_lr at max_iters
+    # system
+    device="auto",  # auto | cpu | cuda | cuda:N | mps
+    dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16
+    compile=False,
+    seed=1337,
+)
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
+              "stream_loss_weight")
+STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "dropout")  # what fine-tuning may change
+
+
+def get_lr(it, cfg):
+    if it < cfg["warmup_iters"]:
+        return cfg["learning_rate"] * (it + 1) / (cfg["warmup_iters"] + 1)
+    ratio = min(1.0, (it - cfg["warmup_iters"]) / max(1, cfg["max_iters"] - cfg["warmup_iters"]))
+    return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def main(argv=None):
+    cfg = parse_args(config, argv, __doc__)
+    ddp = int(os.environ.get("RANK", -1)) != -1  # set by torchrun
+    if ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        device = pick_device(cfg["device"])
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        if cfg["gradient_accumulation_steps"] % world:
+            raise UsageError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
+                             f"the {world} processes")
+        cfg["gradient_accumulation_steps"] //= world
+    else:
+        rank, world, device = 0, 1, pick_device(cfg["device"])
+    master = rank == 0
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    dtype = pick_dtype(cfg["dtype"], device)
+    device_type = device.split(":")[0]
+    torch.manual_seed(cfg["seed"] + rank)
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}[dtype]
+    autocast = nullcontext() if dtype in ("float32", "float64") else torch.autocast(device_type, dtype=ptdtype)
+
+    # ------------------------------------------------------------------------- data
+    if master:
+        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"])
+    if ddp:
+        dist.barrier()  # rank 0 prepares, the others read what it wrote
+    if not master:
+        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"])
+    tokenizer = Tokenizer(meta)
+    data = {s: load_split(folder, s) for s in ("train", "val")}
+
+    # ------------------------------------------------------------------------- model
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    iter_num, best_val, ckpt = 0, float("inf"), None
+    if cfg["init_from"] == "scratch":
+        margs = {k: cfg[k] for k in MODEL_KEYS}
+        model = GPT(GPTConfig(**margs, vocab_size=tokenizer.vocab_size))
+    else:
+        resume = cfg["init_from"] == "resume"
+        ckpt = load_checkpoint(ckpt_path if resume else cfg["init_from"])
+        margs = dict(ckpt["model_args"])
+        if resume:
+            cfg.update({k: margs[k] for k in MODEL_KEYS})
+        else:  # fine-tune: the architecture is the checkpoint's, the streams are this run's
+            margs.update({k: cfg[k] for k in STREAM_KEYS})
+            if ckpt["tokenizer"] != tokenizer.meta():
+                raise UsageError(f"{cfg['init_from']} was trained with another vocabulary than {cfg['dataset']} "
+                                 f"({cfg['tokenizer']}); fine-tune on its own dataset or use --tokenizer=gpt2")
+            cfg.update({k: margs[k] for k in MODEL_KEYS})
+        model = GPT(model_config(margs))
+        state = ckpt["model"]
+        if not resume and (margs["n_streams"] == 0 or "stream_emb" in state and
+                           state["stream_emb"].shape != model.stream_emb.shape):
+            state = {k: v for k, v in state.items() if k != "stream_emb"}  # new streams start fresh
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"stream_emb"}:
+            raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        if resume:
+            iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    T = model.config.block_size
+    model.to(device)
+    base, draft = model.param_counts()
+    log(f"model: {base:,} base parameters + {draft:,} draft parameters (stream embeddings, gamma x d)")
+    optimizer = model.configure_optimizer(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),
+                                          device_type)
+    if cfg["init_from"] == "resume":
+        optimizer.load_state_dict(ckpt["optimizer"])
+    ckpt = None
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+    raw_model = model
+    if cfg["compile"]:
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[int(device.split(":")[1])] if device_type == "cuda" else None)
+
+    def get_batch(split):
+        d = data[split]
+        if len(d) <= T + 1:
+            raise RuntimeError(f"the {split} split has {len(d)} tokens, fewer than block_size + 2 = {T + 2}; "
+                               "use a longer text or a smaller --block_size")
+        ix = np.random.randint(0, len(d) - T - 1, cfg["batch_size"])
+        x = torch.from_numpy(np.stack([d[i:i + T] for i in ix]).astype(np.int64))
+        y = torch.from_numpy(np.stack([d[i + 1:i + 1 + T] for i in ix]).astype(np.int64))
+        if device_type == "cuda":
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+    @torch.no_grad()
+    def estimate_loss():
+        """Mean val/train loss of the main stream and of each stream over eval_iters batches."""
+        model.eval()
+        out = {}
+        for split in ("train", "val"):
+            parts = torch.zeros(cfg["eval_iters"], 1 + raw_model.config.n_streams)
+            for k in range(cfg["eval_iters"]):
+                x, y = get_batch(split)
+                with autocast:
+                    _, _, losses = raw_model(x, y)
+                parts[k] = torch.stack([losses["main"], *losses["streams"]]).float().cpu()
+            out[split] = parts.mean(0).tolist()
+        model.train()
+        return out
+
+    np.random.seed(cfg["seed"] + rank)
+    tokens_per_iter = cfg["gradient_accumulation_steps"] * world * cfg["batch_size"] * T
+    log(f"training on {device} ({dtype}), {world} process(es), {tokens_per_iter:,} tokens per iteration, "
+        f"{cfg['max_iters']} iterations")
+    x, y = get_batch("train")
+    t0 = t_start = time.time()
+    dt_avg, start_iter = None, iter_num
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
+            losses = estimate_loss()
+            val = losses["val"][0]
+            streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
+            log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
+                + (f"; val per stream: {streams}" if streams else ""))
+            if master and iter_num > start_iter and (val < best_val or cfg["always_save_checkpoint"]
+                                                     or iter_num == cfg["max_iters"]):
+                best_val = min(best_val, val)
+                save_checkpoint(make_checkpoint(
+                    raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, best_val_loss=best_val,
+                    val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(),
+                    train_seconds=time.time() - t_start), ckpt_path)
+                log(f"saved {ckpt_path}")
+        if iter_num >= cfg["max_iters"]:
+            break
+        for micro in range(cfg["gradient_accumulation_steps"]):
+            if ddp:  # sync gradients only on the last micro-step
+                model.require_backward_grad_sync = micro == cfg["gradient_accumulation_steps"] - 1
+            with autocast:
+                _, _, losses = model(x, y)
+                loss = losses["loss"] / cfg["gradient_accumulation_steps"]
+            x, y = get_batch("train")  # fetch the next batch while the backward runs on GPU
+            scaler.scale(loss).backward()
+        if cfg["grad_clip"]:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        if iter_num % cfg["log_interval"] == 0:
+            left = dt_avg * (cfg["max_iters"] - iter_num)
+            log(f"iter {iter_num}: loss {loss.item() * cfg['gradient_accumulation_steps']:.4f} (main "
+                f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt * 1000:.0f} ms/iter, "
+                f"{tokens_per_iter / dt_avg:,.0f} tokens/s, {left / 60:.1f} min left")
+    log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min, best val loss {best_val:.4f}")
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        sys.exit(f"error: {e}")
