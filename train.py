@@ -27,7 +27,7 @@ config = dict(
     tokenizer="char",  # char | gpt2
     data_dir="data",
     init_from="scratch",  # scratch | resume (out_dir/ckpt.pt) | PATH of a checkpoint to fine-tune
-    eval_interval=250,
+    eval_interval=400,
     eval_iters=20,
     log_interval=25,
     always_save_checkpoint=False,  # else only when val loss improves
@@ -44,14 +44,14 @@ config = dict(
     # optimisation
     batch_size=16,
     gradient_accumulation_steps=1,
-    learning_rate=1e-3,
-    max_iters=1300,
+    learning_rate=2e-3,
+    max_iters=1500,
     weight_decay=0.1,
     beta1=0.9,
     beta2=0.99,
     grad_clip=1.0,
-    warmup_iters=100,
-    min_lr=1e-4,  # cosine decay from learning_rate to min_lr at max_iters
+    warmup_iters=50,
+    min_lr=2e-4,  # cosine decay from learning_rate to min_lr at max_iters
     # system
     device="auto",  # auto | cpu | cuda | cuda:N | mps
     dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16

@@ -35,7 +35,7 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"{path} is not a readable ss_mini checkpoint ({type(e).__name__}: {str(e)[:80]}); "
+        raise RuntimeError(f"{path} is not a readable ss_mini checkpoint ({type(e).__name__}); "
                            "retrain it or point to another one") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise RuntimeError(f"{path} is not an ss_mini checkpoint (no model/model_args); retrain it or point to another one")
