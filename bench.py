@@ -185,12 +185,12 @@ def main(argv=None):
         raise UsageError(f"{cfg['out_dir']} has no speculative streams (n_streams=0): train one with --n_streams=3")
     n_cal = max(2, cfg["num_prompts"] // 3)
     if cfg["prompts"]:
-        prompts, calibration = file_prompts(cfg["prompts"], tok), None
-    else:  # disjoint calibration snippets for tree=auto, so the reported prompts are not the tuned ones
+        prompts = file_prompts(cfg["prompts"], tok)
+        calibration = prompts[:n_cal]
+    else:  # every 4th snippet calibrates tree=auto, so the reported prompts are not the tuned ones
         both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
-        prompts, calibration = both[::2][:cfg["num_prompts"]] + both[1::2][n_cal:], both[1::2][:n_cal]
-        prompts = prompts[:cfg["num_prompts"]]
-    calibration = calibration or prompts[:n_cal]
+        calibration = both[3::4][:n_cal]
+        prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
     kw = dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
               top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
     base, draft = model.param_counts()
@@ -204,8 +204,9 @@ def main(argv=None):
     candidates = [c for c in candidates if c.startswith("n") or len(c.split(",")) <= model.config.n_streams]
     spec = cfg["tree"]
     if cfg["sweep"] or spec == "auto":
-        log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each:")
-        _, best = sweep(model, calibration, candidates, kw, log)
+        cal_kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
+        log(f"tree search on {len(calibration)} calibration prompts, {cal_kw['max_new_tokens']} new tokens each:")
+        _, best = sweep(model, calibration, candidates, cal_kw, log)
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_streams)
     if cfg["profile"]:

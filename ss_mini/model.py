@@ -37,6 +37,7 @@ class GPTConfig:
     n_streams: int = 3  # gamma: speculative streams; 0 makes this a plain GPT-2
     n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
+    stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -92,13 +93,13 @@ class KVCache:
         self.kv = torch.zeros(config.n_layer, 2, batch_size, config.n_head, max_len, hd, device=device, dtype=dtype)
         self.length = 0
 
-    def write(self, layer, k, v):
-        """Store a pass's K/V (B, H, n, hd) after the prefix; return all keys/values so far."""
-        L, n = self.length, k.shape[2]
+    def write(self, layer, kv):
+        """Store a pass's keys and values kv (2, B, H, n, hd) after the prefix; return all
+        keys and values so far."""
+        L, n = self.length, kv.shape[3]
         if L + n > self.kv.shape[4]:
             raise ValueError(f"KV cache overflow: {L} + {n} > {self.kv.shape[4]} slots")
-        self.kv[layer, 0, :, :, L:L + n] = k
-        self.kv[layer, 1, :, :, L:L + n] = v
+        self.kv[layer, :, :, :, L:L + n] = kv
         return self.kv[layer, 0, :, :, :L + n], self.kv[layer, 1, :, :, :L + n]
 
     def accept(self, path):
@@ -114,6 +115,21 @@ class KVCache:
         self.length = 0
 
 
+class StreamAdapter(nn.Module):
+    """A low-rank update of a shared linear layer for the stream rows only (lossless mode,
+    EMNLP version): linear(x) for the n main rows, linear(x) + up(down(x)) for the streams.
+    The main rows never pass through it, so a frozen base keeps its main stream exactly."""
+
+    def __init__(self, d_in, d_out, rank):
+        super().__init__()
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=False)  # zero-initialised by GPT: starts as the identity update
+
+    def forward(self, linear, x, n):
+        y = linear(x)
+        return torch.cat([y[:, :n], y[:, n:] + self.up(self.down(x[:, n:]))], dim=1)
+
+
 class MultiStreamAttention(nn.Module):
     """Causal self-attention of the main stream plus multi-stream attention (Eq. 2).
 
@@ -124,20 +140,22 @@ class MultiStreamAttention(nn.Module):
     one attention call over every row, and no main row pays for the streams.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, msa=False):
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        r = config.stream_adapter_rank if msa and config.n_streams else 0
+        self.stream_adapter = StreamAdapter(config.n_embd, 3 * config.n_embd, r) if r else None
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, n, mask, smask, cache, layer):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (B, H, T, hd)
-        km, vm = k[:, :, :n], v[:, :, :n]
-        if cache is not None:
-            km, vm = cache.write(layer, km, vm)
+        qkv = self.c_attn(x) if self.stream_adapter is None or T == n else self.stream_adapter(self.c_attn, x, n)
+        qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
+        q, k, v = qkv
+        km, vm = cache.write(layer, qkv[1:, :, :, :n]) if cache is not None else (k[:, :, :n], v[:, :, :n])
         p = self.dropout if self.training else 0.0
         # bool masks, True = may attend; mask=None: every node sees every key (a one-token step)
         y = F.scaled_dot_product_attention(q[:, :, :n], km, vm, attn_mask=mask, dropout_p=p)
@@ -149,31 +167,34 @@ class MultiStreamAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, msa=False):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        r = config.stream_adapter_rank if msa and config.n_streams else 0
+        self.stream_adapter = StreamAdapter(config.n_embd, 4 * config.n_embd, r) if r else None
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+    def forward(self, x, n):
+        h = self.c_fc(x) if self.stream_adapter is None or x.shape[1] == n else self.stream_adapter(self.c_fc, x, n)
+        return self.dropout(self.c_proj(self.gelu(h)))
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block. Main and stream rows share every weight, so
     all per-token work runs on them as one sequence; only attention tells them apart."""
 
-    def __init__(self, config):
+    def __init__(self, config, msa=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = MultiStreamAttention(config)
+        self.attn = MultiStreamAttention(config, msa)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, msa)
 
     def forward(self, x, n, mask, smask, cache, layer):
         x = x + self.attn(self.ln_1(x), n, mask, smask, cache, layer)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(self.ln_2(x), n)
 
 
 class GPT(nn.Module):
@@ -184,7 +205,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, msa=i >= config.n_layer - config.n_msa_layers) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -195,6 +216,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith("stream_adapter.up.weight"):
+                nn.init.zeros_(p)
         if config.n_streams:
             nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
         self._train_masks = {}
@@ -208,10 +231,27 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @staticmethod
+    def is_draft_param(name):
+        """Parameters that exist only for drafting: the stream embeddings P and stream adapters."""
+        return name == "stream_emb" or ".stream_adapter." in name
+
     def param_counts(self):
-        """(base, draft): draft parameters exist only for drafting (the stream embeddings P)."""
-        draft = self.stream_emb.numel() if self.config.n_streams else 0
+        """(base, draft) parameter counts."""
+        draft = sum(p.numel() for name, p in self.named_parameters() if self.is_draft_param(name))
         return sum(p.numel() for p in self.parameters()) - draft, draft
+
+    def crop_block_size(self, block_size):
+        """Keep only the first block_size learned positions (e.g. GPT-2's 1024 -> 128)."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
+
+    @classmethod
+    def from_pretrained(cls, spec, **stream_args):
+        """GPT-2 weights from local Hugging Face files (see ss_mini/pretrained.py)."""
+        from .pretrained import load_gpt2
+        return load_gpt2(spec, **stream_args)
 
     def forward_nodes(self, idx, pos, mask=None, stream_idx=None, cache=None, streams=True, last_only=False, smask=None):
         """Run main nodes idx (B, n) at positions pos (n,) and the streams of some of them.
