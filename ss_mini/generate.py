@@ -166,21 +166,20 @@ def _walk(ys, tokens, children):
 
 
 class _StaticMasks:
-    """Masks of a fixed tree shape, built once per depth cut; per step only the cached
-    prefix (all True) is padded on the left."""
+    """Masks of a fixed tree shape, built once per depth cut with block_size all-True
+    prefix columns in front; a step with L cached tokens takes a view of the last L."""
 
-    def __init__(self, tree, n_streams, device):
-        self.tree, self.g, self.device, self.by_n = tree, n_streams, device, {}
+    def __init__(self, tree, n_streams, block_size, device):
+        self.tree, self.g, self.T, self.device, self.by_n = tree, n_streams, block_size, device, {}
 
     def at(self, n, L):
         if n not in self.by_n:
-            parents = self.tree.parents[:n]
-            mask = tree_mask(parents).to(self.device)
+            mask = tree_mask(self.tree.parents[:n], self.T).to(self.device)
             depths = torch.tensor(self.tree.depths[:n], device=self.device)
             children = [[c for c in ch if c < n] for ch in self.tree.children[:n]]  # a depth cut drops nodes
             self.by_n[n] = (mask, stream_mask(mask, self.g), depths, children)
         mask, smask, depths, children = self.by_n[n]
-        return F.pad(mask, (L, 0), value=True), F.pad(smask, (L, 0), value=True), depths, children
+        return mask[:, self.T - L:], smask[:, self.T - L:], depths, children
 
 
 @torch.inference_mode()
@@ -197,7 +196,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     cache = KVCache(cfg, T + len(tree), device=dev, dtype=model.lm_head.weight.dtype)  # + tentative slots
     positions = torch.arange(T + len(tree), device=dev)
     pick = Picker(temperature, top_k, top_p, seed, dev)
-    masks = _StaticMasks(tree, cfg.n_streams, dev) if tree.static else None
+    masks = _StaticMasks(tree, cfg.n_streams, T, dev) if tree.static else None
     stats = Stats()
     logits, q = _prefill(model, ctx, cache, positions, with_streams=True)
     root = pick(logits[None])
