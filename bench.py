@@ -7,6 +7,7 @@
     python bench.py --profile              # where a speculative step spends its time
     python bench.py --train_steps=10       # also ms/iter of training with and without streams
     python bench.py --json                 # one JSON document as the last line
+    python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
 
 Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
 included; passes = forward passes (prefill counted in both decoders); mean accepted
@@ -49,6 +50,7 @@ config = dict(
     dtype="float32",
     threads=0,  # torch CPU threads; 0 = torch's default
     json=False,
+    compare="",  # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
 )
 
 
@@ -114,7 +116,7 @@ def sweep(model, prompts, candidates, kw, log):
     """tokens/s of SS for each candidate tree (AR measured alongside); returns the rows."""
     rows = []
     for spec in candidates:
-        tree = make_tree(spec, model.config.n_streams)
+        tree = make_tree(spec, model.config.n_drafts)
         r = summarize(*run_pair(model, prompts, tree, kw))
         rows.append((spec, len(tree), r))
     best = max(rows, key=lambda row: row[2]["speedup"])
@@ -127,17 +129,18 @@ def sweep(model, prompts, candidates, kw, log):
 
 
 def train_bench(ckpt, device, steps, log):
-    """ms/iter of the checkpoint's training config with its streams and with n_streams=0."""
-    from ss_mini.model import GPT, GPTConfig
-    tcfg = ckpt["config"]
-    keys = ("n_layer", "n_head", "n_embd", "block_size", "n_msa_layers", "stream_loss_weight", "bias")
-    res = {}
-    for g in (ckpt["model_args"]["n_streams"], 0):
+    """ms/iter of the checkpoint's training config with its drafter and without (plain GPT)."""
+    from ss_mini.checkpoint import model_config
+    from ss_mini.model import GPT
+    tcfg, res = ckpt["config"], {}
+    for name in ("drafter", "plain"):
+        config = model_config(ckpt["model_args"])
+        if name == "plain":
+            config.n_streams = config.n_medusa_heads = 0
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{k: tcfg[k] for k in keys}, vocab_size=ckpt["model_args"]["vocab_size"],
-                              n_streams=g)).to(device)
+        model = GPT(config).to(device)
         opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
-        x = torch.randint(0, model.config.vocab_size, (tcfg["batch_size"], tcfg["block_size"]), device=device)
+        x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size), device=device)
         times = []
         for i in range(steps + 2):
             t0 = time.perf_counter()
@@ -148,11 +151,82 @@ def train_bench(ckpt, device, steps, log):
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        res[g] = 1000 * statistics.median(times[2:])
-    g = ckpt["model_args"]["n_streams"]
-    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res[g]:.0f} ms/iter with {g} streams, "
-        f"{res[0]:.0f} ms/iter without ({res[g] / res[0]:.2f}x)")
-    return {"train_ms_per_iter_streams": res[g], "train_ms_per_iter_plain": res[0]}
+        res[name] = 1000 * statistics.median(times[2:])
+    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} ms/iter with the "
+        f"drafter, {res['plain']:.0f} ms/iter without ({res['drafter'] / res['plain']:.2f}x)")
+    return {"train_ms_per_iter_streams": res["drafter"], "train_ms_per_iter_plain": res["plain"]}
+
+
+def describe(config):
+    if config.n_streams:
+        return f"streams (gamma={config.n_streams}, Ns={config.n_msa_layers})"
+    return f"Medusa (K={config.n_medusa_heads})" if config.n_medusa_heads else "none"
+
+
+@torch.no_grad()
+def val_loss(model, ckpt, windows=64):
+    """Main-stream loss on the same evenly spaced windows of the held-out split."""
+    tcfg, T = ckpt["config"], model.config.block_size
+    folder, _ = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["data_dir"])
+    val = load_split(folder, "val")
+    starts = np.linspace(0, len(val) - T - 2, windows, dtype=np.int64)
+    data = torch.from_numpy(np.stack([val[i:i + T + 1] for i in starts]).astype(np.int64))
+    data = data.to(model.lm_head.weight.device)
+    losses = [model(b[:, :-1], b[:, 1:])[2]["main"].item() for b in data.split(16)]
+    return sum(losses) / len(losses)
+
+
+def compare(dirs, cfg, device, dtype, log):
+    """The analogue of the paper's Table 1, for models fine-tuned from one base on one dataset."""
+    rows, first = [], None
+    for d in dirs:
+        model, tok, ckpt = load_model(d, device, dtype)
+        if first is None:
+            first, (prompts, calibration) = (tok.meta(), ckpt["config"]["dataset"]), pick_prompts(cfg, ckpt, tok)
+            kw = decode_kwargs(cfg, tok)
+        elif (tok.meta(), ckpt["config"]["dataset"]) != first:
+            raise UsageError(f"{d} was trained on other data than {dirs[0]}: compare models of one dataset")
+        generate_ar(model, calibration[0], **{**kw, "max_new_tokens": 32})  # warm-up
+        base, draft = model.param_counts()
+        row = dict(model=d, drafter=describe(model.config), draft_params=draft, base_params=base,
+                   val_loss=val_loss(model, ckpt))
+        if model.config.n_drafts:
+            spec = cfg["tree"]
+            if spec == "auto":
+                cands = [c for c in cfg["candidates"].split(";") if c.startswith("n") or
+                         len(c.split(",")) <= model.config.n_drafts]
+                _, spec = sweep(model, calibration, cands, {**kw, "max_new_tokens": 128}, lambda *a: None)
+            row.update(summarize(*run_pair(model, prompts, make_tree(spec, model.config.n_drafts), kw)), tree=spec)
+        else:
+            stats = [generate_ar(model, p, **kw)[1] for p in prompts]
+            row["ar_tokens_per_s"] = sum(s.new_tokens for s in stats) / sum(s.seconds for s in stats)
+        rows.append(row)
+    log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {first[1]} ({device} {dtype}):")
+    log(f"{'model':<22} {'drafter':<26} {'draft params':>12} {'val loss':>8} {'AR tok/s':>8} {'speedup':>8} "
+        f"{'CR':>5} {'tau':>5} {'tree':>6}")
+    for r in rows:
+        spd = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        extra = f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>6}" if "speedup" in r else ""
+        log(f"{r['model']:<22} {r['drafter']:<26} {r['draft_params']:>12,} {r['val_loss']:8.4f} "
+            f"{r['ar_tokens_per_s']:8.0f} {spd:>8} {extra}")
+    return rows
+
+
+def decode_kwargs(cfg, tok):
+    return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
+                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
+
+
+def pick_prompts(cfg, ckpt, tok):
+    """(prompts, calibration prompts): from --prompts, or held-out validation snippets where
+    every 4th calibrates the tree search, so the reported prompts are not the tuned ones."""
+    n_cal = max(2, cfg["num_prompts"] // 3)
+    if cfg["prompts"]:
+        prompts = file_prompts(cfg["prompts"], tok)
+        return prompts, prompts[:n_cal]
+    both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
+    prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
+    return prompts, both[3::4][:n_cal]
 
 
 def profile(model, prompts, tree, kw, log):
@@ -180,35 +254,32 @@ def main(argv=None):
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     log = lambda *a: print(*a, flush=True)
+    if cfg["compare"]:
+        rows = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
+        if cfg["json"]:
+            print(json.dumps(rows))
+        return rows
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    if model.config.n_streams == 0:
-        raise UsageError(f"{cfg['out_dir']} has no speculative streams (n_streams=0): train one with --n_streams=3")
-    n_cal = max(2, cfg["num_prompts"] // 3)
-    if cfg["prompts"]:
-        prompts = file_prompts(cfg["prompts"], tok)
-        calibration = prompts[:n_cal]
-    else:  # every 4th snippet calibrates tree=auto, so the reported prompts are not the tuned ones
-        both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
-        calibration = both[3::4][:n_cal]
-        prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
-    kw = dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
-              top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
+    if model.config.n_drafts == 0:
+        raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
+    prompts, calibration = pick_prompts(cfg, ckpt, tok)
+    kw = decode_kwargs(cfg, tok)
     base, draft = model.param_counts()
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
-        f"gamma={model.config.n_streams}, Ns={model.config.n_msa_layers}; {base:,} base + {draft:,} draft parameters; "
+        f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
         f"{device} {dtype}, {torch.get_num_threads()} threads")
-    run_pair(model, calibration[:1], make_tree("1,1,1", model.config.n_streams),
+    run_pair(model, calibration[:1], make_tree("1,1,1", model.config.n_drafts),
              {**kw, "max_new_tokens": 32})  # warm-up
     result = {}
     candidates = [c for c in cfg["candidates"].split(";") if c]
-    candidates = [c for c in candidates if c.startswith("n") or len(c.split(",")) <= model.config.n_streams]
+    candidates = [c for c in candidates if c.startswith("n") or len(c.split(",")) <= model.config.n_drafts]
     spec = cfg["tree"]
     if cfg["sweep"] or spec == "auto":
         cal_kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
         log(f"tree search on {len(calibration)} calibration prompts, {cal_kw['max_new_tokens']} new tokens each:")
         _, best = sweep(model, calibration, candidates, cal_kw, log)
         spec = best if spec == "auto" else spec
-    tree = make_tree(spec, model.config.n_streams)
+    tree = make_tree(spec, model.config.n_drafts)
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
     r = summarize(*run_pair(model, prompts, tree, kw))

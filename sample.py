@@ -63,10 +63,10 @@ def main(argv=None):
         prompt, shown = tok.empty_prompt()
         print(f"empty prompt: starting from {shown}", file=sys.stderr)
     speculative = cfg["speculative"]
-    if speculative and model.config.n_streams == 0:
+    if speculative and model.config.n_drafts == 0:
         raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has n_streams=0; "
                          "train one with python train.py --n_streams=3, or sample without --speculative")
-    tree = make_tree(cfg["tree"], model.config.n_streams) if speculative else None
+    tree = make_tree(cfg["tree"], model.config.n_drafts) if speculative else None
     if cfg["color"].lower() not in ("auto", "true", "false"):
         raise UsageError(f"--color takes auto, True or False, not {cfg['color']!r}")
     color = sys.stdout.isatty() if cfg["color"] == "auto" else cfg["color"].lower() == "true"

@@ -42,6 +42,7 @@ config = dict(
     n_msa_layers=1,
     stream_loss_weight=0.1,
     stream_adapter_rank=0,  # > 0: low-rank stream-only adapters in the MSA layers (for freeze_base)
+    n_medusa_heads=0,  # the Medusa baseline drafter instead of streams (use with --n_streams=0)
     freeze_base=False,  # lossless mode: train only the streams (P and adapters); the main stream stays exact
     # optimisation
     batch_size=16,
@@ -61,8 +62,8 @@ config = dict(
     seed=1337,
 )
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
-              "stream_loss_weight", "stream_adapter_rank")
-STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "dropout")  # what fine-tuning may change
+              "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads")
+STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads", "dropout")  # what fine-tuning may change
 
 
 def get_lr(it, cfg):
@@ -141,15 +142,18 @@ def main(argv=None):
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not GPT.is_draft_param(k)]:
             raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        if any(k.startswith("medusa_heads.") for k in missing):
+            model.init_medusa_heads()  # new heads start from the loaded base head
         if resume:
             iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
     if cfg["freeze_base"]:
-        if not model.config.n_streams:
-            raise UsageError("--freeze_base=True trains only the streams: give the model some (--n_streams=3)")
+        if not model.config.n_drafts:
+            raise UsageError("--freeze_base=True trains only the drafter: give the model streams (--n_streams=3) "
+                             "or Medusa heads (--n_medusa_heads=3)")
         for name, p in model.named_parameters():
             p.requires_grad = GPT.is_draft_param(name)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log(f"lossless mode: the base is frozen, {trainable:,} trainable parameters (stream embeddings + adapters)")
+        log(f"lossless mode: the base is frozen, {trainable:,} trainable parameters (the drafter's)")
     T = model.config.block_size
     model.to(device)
     base, draft = model.param_counts()
@@ -184,7 +188,7 @@ def main(argv=None):
         model.eval()
         out = {}
         for split in ("train", "val"):
-            parts = torch.zeros(cfg["eval_iters"], 1 + raw_model.config.n_streams)
+            parts = torch.zeros(cfg["eval_iters"], 1 + raw_model.config.n_drafts)
             for k in range(cfg["eval_iters"]):
                 x, y = get_batch(split)
                 with autocast:

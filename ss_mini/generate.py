@@ -27,7 +27,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .model import KVCache, stream_mask, tree_mask
 
@@ -177,9 +176,9 @@ class _StaticMasks:
             mask = tree_mask(self.tree.parents[:n], self.T).to(self.device)
             depths = torch.tensor(self.tree.depths[:n], device=self.device)
             children = [[c for c in ch if c < n] for ch in self.tree.children[:n]]  # a depth cut drops nodes
-            self.by_n[n] = (mask, stream_mask(mask, self.g), depths, children)
+            self.by_n[n] = (mask, stream_mask(mask, self.g) if self.g else None, depths, children)
         mask, smask, depths, children = self.by_n[n]
-        return mask[:, self.T - L:], smask[:, self.T - L:], depths, children
+        return mask[:, self.T - L:], smask[:, self.T - L:] if smask is not None else None, depths, children
 
 
 @torch.inference_mode()
@@ -187,7 +186,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
                          eot=None, on_tokens=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one."""
     cfg = model.config
-    if cfg.n_streams == 0:
+    if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with --n_streams=3, "
                          "or decode without --speculative")
     t0 = time.perf_counter()
@@ -223,7 +222,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
             n = len(tokens)
             tokens_t = torch.tensor(tokens, device=dev)
             mask = tree_mask(parents, L).to(dev)
-            smask = stream_mask(mask, cfg.n_streams)
+            smask = stream_mask(mask, cfg.n_streams) if cfg.n_streams else None
             depths = torch.tensor(depths_l, device=dev)
         # 2. one forward pass: verify all nodes, draft from all nodes
         logits, streams = model.forward_nodes(tokens_t[None], depths + L, mask, cache=cache, smask=smask)

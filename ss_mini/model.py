@@ -38,12 +38,20 @@ class GPTConfig:
     n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
     stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
+    n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_streams and self.n_medusa_heads:
+            raise ValueError("choose one drafter: n_streams (Speculative Streaming) or n_medusa_heads (Medusa), not both")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
             raise ValueError(f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} when n_streams > 0")
+
+    @property
+    def n_drafts(self):
+        """How many future tokens the drafter proposes per position (gamma or K)."""
+        return self.n_streams or self.n_medusa_heads
 
 
 def tree_mask(parents, prefix_len=0):
@@ -197,6 +205,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x), n)
 
 
+class MedusaHead(nn.Module):
+    """The Medusa baseline (Cai et al., 2024): a residual SiLU block and an LM head of its
+    own on the last main hidden state; head k predicts x_{t+1+k}. d^2 + d + d*V
+    parameters per head, against gamma*d for all the streams together."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.res = nn.Linear(config.n_embd, config.n_embd)  # zero-initialised by GPT: starts as the identity
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # a copy of the base head at start
+
+    def forward(self, h):
+        return self.lm_head(h + F.silu(self.res(h)))
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -212,6 +234,8 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
         if config.n_streams:
             self.stream_emb = nn.Parameter(torch.zeros(config.n_streams, config.n_embd))  # P of Eq. 3
+        if config.n_medusa_heads:
+            self.medusa_heads = nn.ModuleList([MedusaHead(config) for _ in range(config.n_medusa_heads)])
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -220,7 +244,15 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
         if config.n_streams:
             nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
+        self.init_medusa_heads()
         self._train_masks = {}
+
+    @torch.no_grad()
+    def init_medusa_heads(self):
+        """Medusa's initialisation: identity residual blocks and copies of the base LM head."""
+        for head in getattr(self, "medusa_heads", []):
+            nn.init.zeros_(head.res.weight), nn.init.zeros_(head.res.bias)
+            head.lm_head.weight.copy_(self.lm_head.weight)
 
     @staticmethod
     def _init_weights(module):
@@ -233,8 +265,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def is_draft_param(name):
-        """Parameters that exist only for drafting: the stream embeddings P and stream adapters."""
-        return name == "stream_emb" or ".stream_adapter." in name
+        """Parameters that exist only for drafting: stream embeddings P, stream adapters, Medusa heads."""
+        return name == "stream_emb" or ".stream_adapter." in name or name.startswith("medusa_heads.")
 
     def param_counts(self):
         """(base, draft) parameter counts."""
@@ -259,8 +291,8 @@ class GPT(nn.Module):
         mask: bool (n, Lk) from `tree_mask` (Lk = cached length + n), or None when every
         node may see every key. stream_idx: the nodes that carry streams (None = all);
         streams=False: none. smask: the stream mask, if the caller has it built already.
-        Returns main logits (B, n, V) (only the last node's with last_only) and stream
-        logits (B, m, gamma, V), or None without streams.
+        Returns main logits (B, n, V) (only the last node's with last_only) and draft
+        logits (B, m, gamma, V) from the streams (or the Medusa heads), or None.
         """
         cfg = self.config
         B, n = idx.shape
@@ -275,11 +307,17 @@ class GPT(nn.Module):
                     rows = mask if mask is not None else torch.ones(n, Lk, dtype=torch.bool, device=idx.device)
                     smask = stream_mask(rows, cfg.n_streams, stream_idx)
             x = block(x, n, mask, smask, cache, i)
+        x = self.transformer.ln_f(x)
+        drafts = None
+        if cfg.n_medusa_heads and streams:  # Medusa drafts from the main hidden states
+            src = x[:, :n] if stream_idx is None else x[:, stream_idx]
+            drafts = torch.stack([head(src) for head in self.medusa_heads], dim=2)
         if last_only:
             x, n = torch.cat([x[:, n - 1:n], x[:, n:]], dim=1), 1
-        logits = self.lm_head(self.transformer.ln_f(x))
-        stream = logits[:, n:].unflatten(1, (-1, cfg.n_streams)) if x.shape[1] > n else None
-        return logits[:, :n], stream
+        logits = self.lm_head(x)  # the shared head: main rows and stream rows together
+        if x.shape[1] > n:
+            drafts = logits[:, n:].unflatten(1, (-1, cfg.n_streams))
+        return logits[:, :n], drafts
 
     def _chain_masks(self, T, device):
         """Training is the decoding mask rule applied to a chain: built once per length."""
@@ -306,7 +344,7 @@ class GPT(nn.Module):
         V = main.shape[-1]
         main_loss = F.cross_entropy(main.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
         loss, stream_losses = main_loss, []
-        for j in range(1, self.config.n_streams + 1):
+        for j in range(1, self.config.n_drafts + 1):
             tgt = F.pad(targets[:, j:], (0, j), value=-1)  # x_{t+1+j}; -1 past the end
             lj = F.cross_entropy(stream[:, :, j - 1].reshape(-1, V), tgt.reshape(-1), ignore_index=-1)
             stream_losses.append(lj)

@@ -15,9 +15,10 @@ TREES = ["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for
 
 
 @pytest.mark.parametrize("spec", TREES)
-def test_greedy_identity_random_models(spec):
+@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)], ids=["streams", "medusa"])
+def test_greedy_identity_random_models(spec, drafter):
     for seed in range(3):
-        model = random_model(seed=seed, std=0.4)
+        model = random_model(seed=seed, std=0.4, **drafter)
         tree = make_tree(spec, 3)
         gen = torch.Generator().manual_seed(seed)
         for _ in range(4):

@@ -198,3 +198,24 @@ def test_config_errors():
         GPTConfig(n_layer=2, n_msa_layers=3)
     with pytest.raises(ValueError, match="block_size"):
         GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_msa_layers=1, n_embd=8, n_head=2))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_medusa_heads_draft_from_the_last_hidden_state():
+    model = random_model(std=0.3, n_streams=0, n_medusa_heads=2)
+    assert model.param_counts()[1] == 2 * (16 * 16 + 16 + 16 * 11)  # K (d^2 + d + d V)
+    idx = torch.randint(0, 11, (2, 9))
+    main, drafts, losses = model(idx, idx)
+    with torch.no_grad():
+        h = model.transformer.h[0](model.transformer.wte(idx) + model.transformer.wpe(torch.arange(9)), 9,
+                                   tree_mask(np.arange(9) - 1), None, None, 0)
+        for blk in model.transformer.h[1:]:
+            h = blk(h, 9, tree_mask(np.arange(9) - 1), None, None, 0)
+        h = model.transformer.ln_f(h)
+        for k, head in enumerate(model.medusa_heads):
+            torch.testing.assert_close(drafts[:, :, k], head.lm_head(h + F.silu(head.res(h))))
+    assert len(losses["streams"]) == 2
+    fresh = random_model(n_streams=0, n_medusa_heads=2)  # Medusa's init: identity block, a copy of the base head
+    head = fresh.medusa_heads[0]
+    assert torch.equal(head.lm_head.weight, fresh.lm_head.weight) and not head.res.weight.any()
+    with pytest.raises(ValueError, match="choose one drafter"):
+        GPTConfig(n_streams=2, n_medusa_heads=2)

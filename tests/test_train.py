@@ -1,4 +1,5 @@
 """train.py, checkpoints and sample.py, as a user runs them."""
+import json
 import os
 import subprocess
 import sys
@@ -6,7 +7,6 @@ import sys
 import pytest
 import torch
 
-import train
 from ss_mini.checkpoint import load_checkpoint, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +44,21 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     base, _, _ = load_model(str(plain))
     assert model.config.n_streams == 2 and model.param_counts()[1] == 2 * 16
     assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it trained
+    # the Medusa baseline on the frozen base, then the Table-1 style report of all three
+    medusa = tmp_path / "medusa"
+    r = run("train.py", f"--out_dir={medusa}", *common, "--max_iters=3", "--eval_interval=3", "--n_streams=0",
+            "--n_medusa_heads=2", "--freeze_base=True", f"--init_from={plain}/ckpt.pt")
+    assert r.returncode == 0, r.stderr
+    trained, _, _ = load_model(str(medusa))
+    assert torch.equal(trained.lm_head.weight, base.lm_head.weight)  # frozen base
+    assert not torch.equal(trained.medusa_heads[0].lm_head.weight, base.lm_head.weight)  # heads trained
+    r = run("bench.py", f"--compare={plain},{ft},{medusa}", "--num_prompts=2", "--max_new_tokens=16",
+            "--prompt_tokens=8", "--tree=1,1", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [row["drafter"] for row in rows] == ["none", "streams (gamma=2, Ns=1)", "Medusa (K=2)"]
+    assert rows[1]["draft_params"] == 32 and rows[2]["draft_params"] == 2 * (16 * 16 + 16 + 16 * trained.config.vocab_size)
+    assert rows[1]["match_rate"] == rows[2]["match_rate"] == 1.0
 
 
 def test_bad_command_lines(tmp_path):
