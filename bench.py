@@ -50,6 +50,7 @@ config = dict(
     dtype="float32",
     threads=0,  # torch CPU threads; 0 = torch's default
     json=False,
+    prune_threshold=0.0,  # > 0: also run with parallel tree pruning (a model with a pruning adapter)
     compare="",  # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
 )
 
@@ -82,13 +83,14 @@ def file_prompts(path, tok):
     return out
 
 
-def run_pair(model, prompts, tree, kw):
+def run_pair(model, prompts, tree, kw, prune_threshold=0.0):
     """AR and SS on each prompt, interleaved (the order alternates); returns both lists of results."""
     ar, ss = [], []
     for i, p in enumerate(prompts):
         order = (("ar", ar), ("ss", ss)) if i % 2 == 0 else (("ss", ss), ("ar", ar))
         for kind, acc in order:
-            acc.append(generate_ar(model, p, **kw) if kind == "ar" else generate_speculative(model, p, tree=tree, **kw))
+            acc.append(generate_ar(model, p, **kw) if kind == "ar" else
+                       generate_speculative(model, p, tree=tree, prune_threshold=prune_threshold, **kw))
     return ar, ss
 
 
@@ -97,6 +99,7 @@ def summarize(ar, ss):
     secs = lambda rs: sum(s.seconds for _, s in rs)
     passes = lambda rs: sum(s.passes for _, s in rs)
     accepted = [a for _, s in ss for a in s.accepted]
+    nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
     cr = passes(ar) / passes(ss)
     match = [a == b for (a, _), (b, _) in zip(ar, ss)]
@@ -109,7 +112,7 @@ def summarize(ar, ss):
                 mean_accepted=sum(accepted) / len(accepted), call_reduction=cr, efficiency=ss_tps / ar_tps / cr,
                 match_rate=sum(match) / len(match), first_divergence=first,
                 ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
-                accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss))
+                accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss), mean_nodes=sum(nodes) / len(nodes))
 
 
 def sweep(model, prompts, candidates, kw, log):
@@ -296,6 +299,15 @@ def main(argv=None):
         log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts"
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
+    if cfg["prune_threshold"]:
+        g = model.config.n_streams
+        p = summarize(*run_pair(model, prompts, tree, kw, cfg["prune_threshold"]))
+        log(f"  parallel tree pruning at threshold {cfg['prune_threshold']}: tokens entering the MSA layers per pass "
+            f"{r['mean_nodes'] * (1 + g):.1f} -> {p['mean_nodes'] * (1 + g):.1f}; SS tokens/s "
+            f"{r['ss_tokens_per_s']:.1f} -> {p['ss_tokens_per_s']:.1f} (speedup {r['speedup']:.2f}x -> "
+            f"{p['speedup']:.2f}x, tau {r['mean_accepted']:.2f} -> {p['mean_accepted']:.2f}), identical "
+            f"{100 * p['match_rate']:.0f}%")
+        result["pruned"] = p
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
     result.update(r, tree=str(tree), tree_nodes=len(tree), draft_params=draft, base_params=base, device=device,

@@ -43,6 +43,7 @@ config = dict(
     stream_loss_weight=0.1,
     stream_adapter_rank=0,  # > 0: low-rank stream-only adapters in the MSA layers (for freeze_base)
     n_medusa_heads=0,  # the Medusa baseline drafter instead of streams (use with --n_streams=0)
+    prune_adapter_rank=0,  # > 0: train a parallel tree pruning adapter of this rank (paper: 8)
     freeze_base=False,  # lossless mode: train only the streams (P and adapters); the main stream stays exact
     # optimisation
     batch_size=16,
@@ -62,8 +63,9 @@ config = dict(
     seed=1337,
 )
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
-              "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads")
-STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads", "dropout")  # what fine-tuning may change
+              "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
+STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads",
+               "prune_adapter_rank", "dropout")  # what fine-tuning may change
 
 
 def get_lr(it, cfg):

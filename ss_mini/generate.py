@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import KVCache, stream_mask, tree_mask
+from .pruning import prune_tree
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Stats:
     new_tokens: int = 0
     passes: int = 0  # forward passes, prefill and cache rebuilds included
     accepted: list = field(default_factory=list)  # tokens per decode pass (root included)
+    nodes: list = field(default_factory=list)  # tree nodes verified per decode pass (after pruning)
     seconds: float = 0.0
 
     @property
@@ -183,9 +185,13 @@ class _StaticMasks:
 
 @torch.inference_mode()
 def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
-                         eot=None, on_tokens=None):
-    """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one."""
+                         eot=None, on_tokens=None, prune_threshold=0.0):
+    """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
+
+    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass."""
     cfg = model.config
+    if prune_threshold and not cfg.prune_adapter_rank:
+        raise ValueError("prune_threshold needs a model trained with a pruning adapter (--prune_adapter_rank=8)")
     if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with --n_streams=3, "
                          "or decode without --speculative")
@@ -217,6 +223,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
         if tree.static:
             tokens_t, n = tree.draft(root, q, max_depth)
             mask, smask, depths, children = masks.at(n, L)
+            parents = tree.parents[:n]
         else:
             tokens, parents, depths_l, children = tree.draft(root, q, max_depth)
             n = len(tokens)
@@ -225,7 +232,18 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
             smask = stream_mask(mask, cfg.n_streams) if cfg.n_streams else None
             depths = torch.tensor(depths_l, device=dev)
         # 2. one forward pass: verify all nodes, draft from all nodes
-        logits, streams = model.forward_nodes(tokens_t[None], depths + L, mask, cache=cache, smask=smask)
+        if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
+            h = model.forward_bottom(tokens_t[None], depths + L, mask, cache)
+            h, mask, kept = prune_tree(model, h, tokens_t, parents, mask, cache, prune_threshold)
+            if len(kept) < n:
+                index_of = {u: i for i, u in enumerate(kept)}
+                children = [[index_of[c] for c in children[u] if c in index_of] for u in kept]
+                tokens_t, smask, n = tokens_t[torch.tensor(kept, device=dev)], None, len(kept)
+                if not tree.static:
+                    tokens = [tokens[u] for u in kept]
+            logits, streams = model.forward_top(h, mask, cache=cache, smask=smask)
+        else:
+            logits, streams = model.forward_nodes(tokens_t[None], depths + L, mask, cache=cache, smask=smask)
         ys_t = pick(logits[0])
         # 3. verify (the one host sync of the step)
         if tree.static:
@@ -240,6 +258,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
         q, root = streams[0, path[-1]], ys_t[path[-1]:path[-1] + 1]
         stats.passes += 1
         stats.accepted.append(a)
+        stats.nodes.append(n)
         new = [tokens[i] for i in path[1:]] + [y]
         if eot is not None and eot in new:
             new = new[:new.index(eot) + 1]

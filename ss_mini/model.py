@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .pruning import PruningAdapter
+
 
 @dataclass
 class GPTConfig:
@@ -39,12 +41,15 @@ class GPTConfig:
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
     stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
+    prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter at layer N - Ns (paper: 8)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_streams and self.n_medusa_heads:
             raise ValueError("choose one drafter: n_streams (Speculative Streaming) or n_medusa_heads (Medusa), not both")
+        if self.prune_adapter_rank and not self.n_streams:
+            raise ValueError("tree pruning (prune_adapter_rank > 0) acts before stream insertion: it needs n_streams > 0")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
             raise ValueError(f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} when n_streams > 0")
 
@@ -236,11 +241,13 @@ class GPT(nn.Module):
             self.stream_emb = nn.Parameter(torch.zeros(config.n_streams, config.n_embd))  # P of Eq. 3
         if config.n_medusa_heads:
             self.medusa_heads = nn.ModuleList([MedusaHead(config) for _ in range(config.n_medusa_heads)])
+        if config.prune_adapter_rank:
+            self.prune_adapter = PruningAdapter(config.n_embd, config.prune_adapter_rank)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-            elif name.endswith("stream_adapter.up.weight"):
+            elif name.endswith(("stream_adapter.up.weight", "prune_adapter.up.weight")):
                 nn.init.zeros_(p)
         if config.n_streams:
             nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
@@ -265,8 +272,10 @@ class GPT(nn.Module):
 
     @staticmethod
     def is_draft_param(name):
-        """Parameters that exist only for drafting: stream embeddings P, stream adapters, Medusa heads."""
-        return name == "stream_emb" or ".stream_adapter." in name or name.startswith("medusa_heads.")
+        """Parameters that exist only for drafting: stream embeddings P, stream adapters, Medusa
+        heads, the pruning adapter."""
+        return (name == "stream_emb" or ".stream_adapter." in name
+                or name.startswith(("medusa_heads.", "prune_adapter.")))
 
     def param_counts(self):
         """(base, draft) parameter counts."""
@@ -294,19 +303,33 @@ class GPT(nn.Module):
         Returns main logits (B, n, V) (only the last node's with last_only) and draft
         logits (B, m, gamma, V) from the streams (or the Medusa heads), or None.
         """
+        x = self.forward_bottom(idx, pos, mask, cache, streams)
+        return self.forward_top(x, mask, stream_idx, cache, streams, last_only, smask)
+
+    def _first_msa(self, streams):
         cfg = self.config
-        B, n = idx.shape
+        return cfg.n_layer - cfg.n_msa_layers if (cfg.n_streams and streams) else cfg.n_layer
+
+    def forward_bottom(self, idx, pos, mask=None, cache=None, streams=True):
+        """Embeddings and the layers below stream insertion: main rows only."""
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        first_msa = cfg.n_layer - cfg.n_msa_layers if (cfg.n_streams and streams) else cfg.n_layer
-        for i, block in enumerate(self.transformer.h):
-            if i == first_msa:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
-                src = x if stream_idx is None else x[:, stream_idx]
-                x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb).flatten(1, 2)], dim=1)
-                if smask is None:
-                    Lk = n + (cache.length if cache is not None else 0)
-                    rows = mask if mask is not None else torch.ones(n, Lk, dtype=torch.bool, device=idx.device)
-                    smask = stream_mask(rows, cfg.n_streams, stream_idx)
-            x = block(x, n, mask, smask, cache, i)
+        for i in range(self._first_msa(streams)):
+            x = self.transformer.h[i](x, x.shape[1], mask, None, cache, i)
+        return x
+
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, streams=True, last_only=False, smask=None):
+        """Stream insertion, the multi-stream attention layers and the heads (see forward_nodes)."""
+        cfg = self.config
+        n, first_msa = x.shape[1], self._first_msa(streams)
+        if first_msa < cfg.n_layer:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
+            src = x if stream_idx is None else x[:, stream_idx]
+            x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb).flatten(1, 2)], dim=1)
+            if smask is None:
+                Lk = n + (cache.length if cache is not None else 0)
+                rows = mask if mask is not None else torch.ones(n, Lk, dtype=torch.bool, device=x.device)
+                smask = stream_mask(rows, cfg.n_streams, stream_idx)
+        for i in range(first_msa, cfg.n_layer):
+            x = self.transformer.h[i](x, n, mask, smask, cache, i)
         x = self.transformer.ln_f(x)
         drafts = None
         if cfg.n_medusa_heads and streams:  # Medusa drafts from the main hidden states
@@ -329,8 +352,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         """Training forward over a chain: returns (main logits, stream logits, losses).
 
-        losses (when targets are given): 'loss' = Eq. 5, CE(main) + sum_j alpha_j CE(stream j),
-        'main' and 'streams' (a list) for logging. targets[b, t] = x_{t+1}; stream j at t is
+        losses (when targets are given): 'loss' = Eq. 5, CE(main) + sum_j alpha_j CE(stream j)
+        (+ alpha CE of the pruning adapter's early logits), 'main', 'streams' (a list) and
+        'prune' for logging. targets[b, t] = x_{t+1}; stream j at t is
         trained on targets[b, t+j], and positions past the end are ignored.
         """
         B, T = idx.shape
@@ -338,7 +362,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         mask, smask = self._chain_masks(T, idx.device)
-        main, stream = self.forward_nodes(idx, pos, mask, smask=smask)
+        h = self.forward_bottom(idx, pos, mask)
+        main, stream = self.forward_top(h, mask, smask=smask)
         if targets is None:
             return main, stream, None
         V = main.shape[-1]
@@ -349,7 +374,12 @@ class GPT(nn.Module):
             lj = F.cross_entropy(stream[:, :, j - 1].reshape(-1, V), tgt.reshape(-1), ignore_index=-1)
             stream_losses.append(lj)
             loss = loss + self.config.stream_loss_weight * lj
-        return main, stream, {"loss": loss, "main": main_loss, "streams": stream_losses}
+        losses = {"main": main_loss, "streams": stream_losses}
+        if self.config.prune_adapter_rank:  # the pruning adapter learns the next token at layer N - Ns
+            early = self.prune_adapter.early_logits(self, h)
+            losses["prune"] = F.cross_entropy(early.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
+            loss = loss + self.config.stream_loss_weight * losses["prune"]
+        return main, stream, {"loss": loss, **losses}
 
     def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]

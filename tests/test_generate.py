@@ -200,3 +200,60 @@ def test_stops_at_end_of_text():
     ar_eot, _ = generate_ar(model, [1, 2, 3], 60, eot=eot)
     ss_eot, _ = generate_speculative(model, [1, 2, 3], 60, make_tree("3,2,1", 3), eot=eot)
     assert ar_eot == ss_eot == ar[:ar.index(eot)]
+
+
+@pytest.mark.parametrize("spec", ["3,2,1", "n16"])
+def test_tree_pruning(spec):
+    model = random_model(seed=5, std=0.4, prune_adapter_rank=4)
+    with torch.no_grad():
+        model.prune_adapter.up.weight.normal_(0, 0.3)  # an untrained adapter would be the identity
+    tree = make_tree(spec, 3)
+    for seed in range(3):
+        prompt = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar, _ = generate_ar(model, prompt, 50)
+        plain, s0 = generate_speculative(model, prompt, 50, tree)
+        zero, sz = generate_speculative(model, prompt, 50, tree, prune_threshold=1e-12)  # nothing is pruned
+        assert zero == plain == ar and sz.accepted == s0.accepted and sz.nodes == s0.nodes
+        for thr in (0.05, 0.2, 0.5):  # greedy identity whatever is pruned
+            out, st = generate_speculative(model, prompt, 50, tree, prune_threshold=thr)
+            assert out == ar
+            assert sum(st.nodes) <= sum(s0.nodes)
+        high, sh = generate_speculative(model, prompt, 50, tree, prune_threshold=1.01)  # only the root survives
+        assert high == ar and set(sh.nodes) == {1} and set(sh.accepted) == {1}
+    with pytest.raises(ValueError, match="pruning adapter"):
+        generate_speculative(random_model(), [1], 5, tree, prune_threshold=0.1)
+
+
+def test_pruning_keeps_the_cache_consistent():
+    """After pruned passes the cache still equals a fresh prefill of the accepted text."""
+    import numpy as np
+    from ss_mini.model import KVCache, tree_mask
+    from ss_mini.pruning import prune_tree
+    model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
+    with torch.no_grad():
+        model.prune_adapter.up.weight.normal_(0, 0.3)
+    ctx = [1, 2, 3, 4]
+    cache = KVCache(model.config, 64, dtype=torch.float64)
+    n0 = len(ctx)
+    model.forward_nodes(torch.tensor([ctx]), torch.arange(n0), tree_mask(np.arange(n0) - 1), cache=cache)
+    cache.accept(n0)
+    parents, depths = [-1, 0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3]
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 0])
+    L = cache.length
+    mask = tree_mask(parents, L)
+    h = model.forward_bottom(tokens[None], torch.tensor(depths) + L, mask, cache)
+    h, mask, kept = prune_tree(model, h, tokens, parents, mask, cache, 0.09)
+    assert 1 < len(kept) < 7, kept  # this seed prunes some nodes, not all
+    main, _ = model.forward_top(h, mask, cache=cache)
+    leaf = kept[-1]
+    path = [leaf]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    path = sorted(path)
+    seq = ctx + tokens[path].tolist()
+    ref, _, _ = model(torch.tensor([seq]))
+    torch.testing.assert_close(main[0, kept.index(leaf)], ref[0, -1], rtol=0, atol=1e-10)
+    cache.accept(torch.tensor([kept.index(u) for u in path]))
+    fresh = KVCache(model.config, 64, dtype=torch.float64)
+    model.forward_nodes(torch.tensor([seq]), torch.arange(len(seq)), tree_mask(np.arange(len(seq)) - 1), cache=fresh)
+    torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)

@@ -1,0 +1,55 @@
+"""Parallel tree pruning (paper §3.2.3): drop unlikely tree nodes before the streams are inserted.
+
+A tree pass runs the layers below N - Ns on all n nodes anyway. There, a rank-r adapter
+o_theta on the main stream followed by the final LayerNorm and the shared LM head gives
+an *early* next-token distribution at every node, hence an early transition probability
+parent -> child for every edge of the tree. Nodes whose transition probability is below
+a threshold are dropped with their subtrees, so the top Ns layers, where every node also
+carries gamma stream rows, process fewer tokens. Pruning only removes drafts: the
+verified output is unchanged. The adapter is trained with the next-token loss.
+"""
+import torch
+import torch.nn as nn
+
+
+class PruningAdapter(nn.Module):
+    """o_theta: h + up(down(h)), then ln_f and the LM head give the early logits."""
+
+    def __init__(self, n_embd, rank):
+        super().__init__()
+        self.down = nn.Linear(n_embd, rank, bias=False)
+        self.up = nn.Linear(rank, n_embd, bias=False)  # zero-initialised by GPT
+
+    def early_logits(self, model, h):
+        return model.lm_head(model.transformer.ln_f(h + self.up(self.down(h))))
+
+
+@torch.no_grad()
+def prune_tree(model, h, tokens, parents, mask, cache, threshold):
+    """Between GPT.forward_bottom and GPT.forward_top of a tree pass.
+
+    h: (1, n, d) main hidden states at layer N - Ns; tokens: (n,) the tree's tokens;
+    parents: list; mask: (n, L + n) tree mask. Returns (h, mask, kept): the surviving
+    nodes (in order, root first), their mask, and their indices. The bottom layers'
+    cached K/V of the kept nodes move to slots L..L+len(kept)-1; those of dropped nodes
+    are simply not kept.
+    """
+    n = h.shape[1]
+    if n == 1:
+        return h, mask, [0]
+    parent_idx = torch.tensor(parents[1:], device=h.device)
+    early = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
+    p_edge = early.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
+    alive = [True] + [False] * (n - 1)
+    for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
+        alive[u] = alive[parents[u]] and p_edge[u - 1] >= threshold
+    kept = [u for u in range(n) if alive[u]]
+    if len(kept) == n:
+        return h, mask, kept
+    k = torch.tensor(kept, device=h.device)
+    L = mask.shape[1] - n
+    mask = mask[k][:, torch.cat([torch.arange(L, device=h.device), L + k])]
+    if cache is not None:
+        first_msa = model.config.n_layer - model.config.n_msa_layers
+        cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
+    return h[:, k], mask, kept
