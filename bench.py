@@ -83,15 +83,21 @@ def file_prompts(path, tok):
     return out
 
 
-def run_pair(model, prompts, tree, kw, prune_threshold=0.0):
-    """AR and SS on each prompt, interleaved (the order alternates); returns both lists of results."""
-    ar, ss = [], []
+def run_interleaved(prompts, decoders):
+    """Every decoder on every prompt, the order rotating from prompt to prompt, so that the
+    machine's drift hits all of them alike; returns one list of results per decoder."""
+    results = [[] for _ in decoders]
     for i, p in enumerate(prompts):
-        order = (("ar", ar), ("ss", ss)) if i % 2 == 0 else (("ss", ss), ("ar", ar))
-        for kind, acc in order:
-            acc.append(generate_ar(model, p, **kw) if kind == "ar" else
-                       generate_speculative(model, p, tree=tree, prune_threshold=prune_threshold, **kw))
-    return ar, ss
+        for j in range(len(decoders)):
+            k = (i + j) % len(decoders)
+            results[k].append(decoders[k](p))
+    return results
+
+
+def run_pair(model, prompts, tree, kw):
+    """AR and SS on the same prompts, interleaved."""
+    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
+                                     lambda p: generate_speculative(model, p, tree=tree, **kw)])
 
 
 def summarize(ar, ss):
@@ -300,14 +306,18 @@ def main(argv=None):
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
     if cfg["prune_threshold"]:
-        g = model.config.n_streams
-        p = summarize(*run_pair(model, prompts, tree, kw, cfg["prune_threshold"]))
-        log(f"  parallel tree pruning at threshold {cfg['prune_threshold']}: tokens entering the MSA layers per pass "
-            f"{r['mean_nodes'] * (1 + g):.1f} -> {p['mean_nodes'] * (1 + g):.1f}; SS tokens/s "
-            f"{r['ss_tokens_per_s']:.1f} -> {p['ss_tokens_per_s']:.1f} (speedup {r['speedup']:.2f}x -> "
-            f"{p['speedup']:.2f}x, tau {r['mean_accepted']:.2f} -> {p['mean_accepted']:.2f}), identical "
-            f"{100 * p['match_rate']:.0f}%")
-        result["pruned"] = p
+        g, thr = model.config.n_streams, cfg["prune_threshold"]
+        ar, ss, sp = run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
+                                               lambda p: generate_speculative(model, p, tree=tree, **kw),
+                                               lambda p: generate_speculative(model, p, tree=tree, **kw,
+                                                                              prune_threshold=thr)])
+        u, p = summarize(ar, ss), summarize(ar, sp)
+        log(f"  parallel tree pruning at threshold {thr} (AR, SS and pruned SS interleaved):")
+        for name, x in (("without pruning", u), ("with pruning", p)):
+            log(f"    {name:<16} {x['mean_nodes'] * (1 + g):6.1f} tokens enter the MSA layers per pass, "
+                f"{x['ss_tokens_per_s']:7.1f} tokens/s, speedup {x['speedup']:.2f}x, tau {x['mean_accepted']:.2f}, "
+                f"identical {100 * x['match_rate']:.0f}%")
+        result["pruning"] = {"threshold": thr, "unpruned": u, "pruned": p}
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
     result.update(r, tree=str(tree), tree_nodes=len(tree), draft_params=draft, base_params=base, device=device,

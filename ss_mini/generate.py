@@ -7,6 +7,7 @@ One speculative step (paper §3.2):
      streams q_1..q_gamma of the last accepted token          -> tree.py
   2. one forward pass over the tree: the main stream verifies every node, and the
      streams of every node draft for the step after            -> GPT.forward_nodes
+     (optionally pruned half-way                               -> pruning.py)
   3. verify: walk from the root; at node u draw y from the target distribution p_u
      (argmax when greedy); if a child of u carries y go there, else stop: y is the
      next root                                                 -> `_walk`
@@ -23,7 +24,6 @@ rebuild at the same token and greedy outputs stay identical.
 """
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -48,9 +48,6 @@ class Stats:
     def mean_accepted(self):
         """Mean accepted length tau: tokens emitted per decode pass, the root included."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-    def histogram(self):
-        return dict(sorted(Counter(self.accepted).items()))
 
 
 def target_probs(logits, temperature=1.0, top_k=None, top_p=None):

@@ -14,7 +14,12 @@ One forward serves training and decoding. Its input is a set of main *nodes* (a
 chain for training, a tree draft for decoding) with an attention mask built from
 parent pointers by `tree_mask`, plus the indices of the nodes that carry streams.
 With a `KVCache` the main keys/values of the nodes are appended after the cached
-prefix; streams are never cached, they read the main stream's cache.
+prefix; streams are never cached, they read the main stream's cache. The forward is
+split at stream insertion (`forward_bottom`, `forward_top`) so that parallel tree
+pruning (§3.2.3, pruning.py) can drop nodes half-way through a pass.
+
+Around the method: stream-only low-rank adapters for the lossless mode of the EMNLP
+version (`StreamAdapter`), and the paper's baseline drafter, Medusa heads (`MedusaHead`).
 """
 import math
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ss_mini.checkpoint import load_checkpoint, load_model
+from ss_mini.model import tree_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=32", "--batch_size=4", "--eval_iters=2",
@@ -44,6 +45,20 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     base, _, _ = load_model(str(plain))
     assert model.config.n_streams == 2 and model.param_counts()[1] == 2 * 16
     assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it trained
+    # lossless mode on our own checkpoint: streams and stream adapters learn, the main stream stays the base's
+    lossless = tmp_path / "lossless"
+    r = run("train.py", f"--out_dir={lossless}", *common, "--max_iters=3", "--eval_interval=3", "--n_streams=2",
+            "--n_msa_layers=1", "--stream_adapter_rank=2", "--freeze_base=True", f"--init_from={plain}/ckpt.pt")
+    assert r.returncode == 0, r.stderr
+    trained, tok, _ = load_model(str(lossless))
+    idx = torch.tensor([tok.encode("def main():")])
+    with torch.no_grad():  # the main stream alone, as generate_ar computes it: bit-identical to the base
+        main, _ = trained.forward_nodes(idx, torch.arange(idx.shape[1]), tree_mask(range(-1, idx.shape[1] - 1)),
+                                        streams=False)
+        assert torch.equal(main, base(idx)[0])
+        with_streams = trained(idx)[0]  # in a pass that also carries stream rows, matmul shapes differ
+        torch.testing.assert_close(with_streams, main, rtol=0, atol=1e-5)
+    assert not torch.equal(trained.transformer.h[1].attn.stream_adapter.up.weight, torch.zeros(48, 2))
     # the Medusa baseline on the frozen base, then the Table-1 style report of all three
     medusa = tmp_path / "medusa"
     r = run("train.py", f"--out_dir={medusa}", *common, "--max_iters=3", "--eval_interval=3", "--n_streams=0",
