@@ -277,8 +277,7 @@ def main(argv=None):
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
         f"{device} {dtype}, {torch.get_num_threads()} threads")
-    run_pair(model, calibration[:1], make_tree("1,1,1", model.config.n_drafts),
-             {**kw, "max_new_tokens": 32})  # warm-up
+    run_pair(model, calibration[:1], make_tree("n4", model.config.n_drafts), {**kw, "max_new_tokens": 32})  # warm-up
     result = {}
     candidates = [c for c in cfg["candidates"].split(";") if c]
     candidates = [c for c in candidates if c.startswith("n") or len(c.split(",")) <= model.config.n_drafts]

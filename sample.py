@@ -33,6 +33,7 @@ config = dict(
     dtype="float32",
     speculative=False,
     tree="1,1,1",  # top-k per depth (the paper's Cartesian tree), or nN for a budget of N nodes
+    prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
 )
@@ -85,7 +86,8 @@ def main(argv=None):
         kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"],
                   seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
         if speculative:
-            _, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree, **kw)
+            _, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree,
+                                            prune_threshold=cfg["prune_threshold"], **kw)
         else:
             _, stats = generate_ar(model, prompt, cfg["max_new_tokens"], **kw)
         sys.stdout.write("\n---------------\n")

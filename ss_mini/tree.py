@@ -112,7 +112,7 @@ class BudgetTree:
         return tokens, parents, depths, children
 
     def __repr__(self):
-        return f"{self.n_nodes} nodes"
+        return f"n{self.n_nodes}"
 
 
 def make_tree(spec, n_streams):
