@@ -141,7 +141,7 @@ class StreamAdapter(nn.Module):
     def __init__(self, d_in, d_out, rank):
         super().__init__()
         self.down = nn.Linear(d_in, rank, bias=False)
-        self.up = nn.Linear(rank, d_out, bias=False)  # zero-initialised by GPT: starts as the identity update
+        self.up = nn.Linear(rank, d_out, bias=False)  # zero-initialised by GPT: the update starts at zero
 
     def forward(self, linear, x, n):
         y = linear(x)
