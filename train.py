@@ -244,7 +244,8 @@ def main(argv=None):
         iter_num += 1
         t1 = time.time()
         dt, t0 = t1 - t0, t1
-        dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
+        # the first iterations include warm-up (and compilation): the average starts after them
+        dt_avg = dt if dt_avg is None or iter_num <= start_iter + 2 else 0.9 * dt_avg + 0.1 * dt
         if iter_num % cfg["log_interval"] == 0:
             left = dt_avg * (cfg["max_iters"] - iter_num)
             log(f"iter {iter_num}: loss {loss.item() * cfg['gradient_accumulation_steps']:.4f} (main "
