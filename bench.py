@@ -121,20 +121,26 @@ def summarize(ar, ss):
                 accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss), mean_nodes=sum(nodes) / len(nodes))
 
 
-def sweep(model, prompts, candidates, kw, log):
-    """tokens/s of SS for each candidate tree (AR measured alongside); returns the rows."""
+def tree_search(model, calibration, cfg, kw, log):
+    """SS tokens/s (AR measured alongside) of every candidate tree that fits the model, on
+    the calibration prompts with at most 128 new tokens each; logs the table and returns
+    the spec of the fastest tree."""
+    g = model.config.n_drafts
+    candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
+    kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
     rows = []
     for spec in candidates:
-        tree = make_tree(spec, model.config.n_drafts)
-        r = summarize(*run_pair(model, prompts, tree, kw))
-        rows.append((spec, len(tree), r))
+        tree = make_tree(spec, g)
+        rows.append((spec, len(tree), summarize(*run_pair(model, calibration, tree, kw))))
     best = max(rows, key=lambda row: row[2]["speedup"])
+    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each:")
     log(f"{'tree':>8} {'nodes':>5} {'AR tok/s':>9} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
-    for spec, n, r in rows:
+    for row in rows:
+        spec, n, r = row
         log(f"{spec:>8} {n:>5} {r['ar_tokens_per_s']:9.0f} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
             f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}"
-            + ("  <- best" if (spec, n, r) == best else ""))
-    return rows, best[0]
+            + ("  <- best" if row is best else ""))
+    return best[0]
 
 
 def train_bench(ckpt, device, steps, log):
@@ -202,9 +208,7 @@ def compare(dirs, cfg, device, dtype, log):
         if model.config.n_drafts:
             spec = cfg["tree"]
             if spec == "auto":
-                cands = [c for c in cfg["candidates"].split(";") if c.startswith("n") or
-                         len(c.split(",")) <= model.config.n_drafts]
-                _, spec = sweep(model, calibration, cands, {**kw, "max_new_tokens": 128}, lambda *a: None)
+                spec = tree_search(model, calibration, cfg, kw, lambda *a: None)
             row.update(summarize(*run_pair(model, prompts, make_tree(spec, model.config.n_drafts), kw)), tree=spec)
         else:
             stats = [generate_ar(model, p, **kw)[1] for p in prompts]
@@ -279,13 +283,9 @@ def main(argv=None):
         f"{device} {dtype}, {torch.get_num_threads()} threads")
     run_pair(model, calibration[:1], make_tree("n4", model.config.n_drafts), {**kw, "max_new_tokens": 32})  # warm-up
     result = {}
-    candidates = [c for c in cfg["candidates"].split(";") if c]
-    candidates = [c for c in candidates if c.startswith("n") or len(c.split(",")) <= model.config.n_drafts]
     spec = cfg["tree"]
     if cfg["sweep"] or spec == "auto":
-        cal_kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
-        log(f"tree search on {len(calibration)} calibration prompts, {cal_kw['max_new_tokens']} new tokens each:")
-        _, best = sweep(model, calibration, candidates, cal_kw, log)
+        best = tree_search(model, calibration, cfg, kw, log)
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)
     if cfg["profile"]:

@@ -220,7 +220,6 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
         if tree.static:
             tokens_t, n = tree.draft(root, q, max_depth)
             mask, smask, depths, children = masks.at(n, L)
-            parents = tree.parents[:n]
         else:
             tokens, parents, depths_l, children = tree.draft(root, q, max_depth)
             n = len(tokens)
@@ -231,6 +230,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
         # 2. one forward pass: verify all nodes, draft from all nodes
         if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
             h = model.forward_bottom(tokens_t[None], depths + L, mask, cache)
+            parents = tree.parents[:n] if tree.static else parents
             h, mask, kept = prune_tree(model, h, tokens_t, parents, mask, cache, prune_threshold)
             if len(kept) < n:
                 index_of = {u: i for i, u in enumerate(kept)}

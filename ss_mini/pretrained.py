@@ -30,14 +30,14 @@ def find_gpt2_files(spec):
     """(config.json path, weights path) for a folder, a weights file, or a cached hub name."""
     looked = []
     if os.path.isfile(spec):
-        folders, files = [os.path.dirname(os.path.abspath(spec))], [spec]
+        files = [spec]
     elif os.path.isdir(spec):
-        folders, files = [spec], [os.path.join(spec, w) for w in WEIGHT_FILES]
+        files = [os.path.join(spec, w) for w in WEIGHT_FILES]
     else:
         name = "models--" + spec.replace("/", "--")
-        folders = [f for d in _hf_cache_dirs() for f in sorted(glob.glob(os.path.join(d, name, "snapshots", "*")))]
+        snapshots = [f for d in _hf_cache_dirs() for f in sorted(glob.glob(os.path.join(d, name, "snapshots", "*")))]
         looked += [os.path.join(d, name) for d in _hf_cache_dirs()]
-        files = [os.path.join(f, w) for f in folders for w in WEIGHT_FILES]
+        files = [os.path.join(f, w) for f in snapshots for w in WEIGHT_FILES]
     for w in files:
         cfg = os.path.join(os.path.dirname(w), "config.json")
         looked.append(w)
