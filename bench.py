@@ -29,6 +29,8 @@ from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
 from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.measure import pass_cost, run_interleaved, run_pair, summarize
+from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import make_tree
 
 config = dict(
@@ -52,6 +54,8 @@ config = dict(
     json=False,
     prune_threshold=0.0,  # > 0: also run with parallel tree pruning (a model with a pruning adapter)
     compare="",  # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
+    pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
+    shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
 )
 
 
@@ -81,44 +85,6 @@ def file_prompts(path, tok):
     if not out:
         raise UsageError(f"{path} holds no prompts")
     return out
-
-
-def run_interleaved(prompts, decoders):
-    """Every decoder on every prompt, the order rotating from prompt to prompt, so that the
-    machine's drift hits all of them alike; returns one list of results per decoder."""
-    results = [[] for _ in decoders]
-    for i, p in enumerate(prompts):
-        for j in range(len(decoders)):
-            k = (i + j) % len(decoders)
-            results[k].append(decoders[k](p))
-    return results
-
-
-def run_pair(model, prompts, tree, kw):
-    """AR and SS on the same prompts, interleaved."""
-    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
-                                     lambda p: generate_speculative(model, p, tree=tree, **kw)])
-
-
-def summarize(ar, ss):
-    toks = lambda rs: sum(s.new_tokens for _, s in rs)
-    secs = lambda rs: sum(s.seconds for _, s in rs)
-    passes = lambda rs: sum(s.passes for _, s in rs)
-    accepted = [a for _, s in ss for a in s.accepted]
-    nodes = [n for _, s in ss for n in s.nodes]
-    ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
-    cr = passes(ar) / passes(ss)
-    match = [a == b for (a, _), (b, _) in zip(ar, ss)]
-    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-                  for i, ((a, _), (b, _)) in enumerate(zip(ar, ss)) if a != b), None)
-    hist = {}
-    for a in accepted:
-        hist[a] = hist.get(a, 0) + 1
-    return dict(ar_tokens_per_s=ar_tps, ss_tokens_per_s=ss_tps, speedup=ss_tps / ar_tps,
-                mean_accepted=sum(accepted) / len(accepted), call_reduction=cr, efficiency=ss_tps / ar_tps / cr,
-                match_rate=sum(match) / len(match), first_divergence=first,
-                ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
-                accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss), mean_nodes=sum(nodes) / len(nodes))
 
 
 def tree_search(model, calibration, cfg, kw, log):
@@ -260,13 +226,50 @@ def profile(model, prompts, tree, kw, log):
         log(f"  {label:<34} {t:7.3f} s  {100 * t / total:5.1f}%")
 
 
+def step_costs(cfg, device, dtype, log):
+    """--pass_cost: one whole speculative step over budget trees of n nodes (n = 4 is the top-1
+    chain for gamma = 3) against one autoregressive step, with a KV cache of half the block
+    (at most 256 tokens), on the checkpoint or on a random model of --shape."""
+    if cfg["shape"]:
+        try:
+            n_layer, n_head, n_embd, vocab = (int(v) for v in cfg["shape"].split(","))
+            config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=1024,
+                               n_streams=3, n_msa_layers=min(2, n_layer))
+        except ValueError as e:
+            raise UsageError(f"--shape={cfg['shape']}: give N_LAYER,N_HEAD,N_EMBD,VOCAB, e.g. 12,12,768,50257 ({e})") from None
+        torch.manual_seed(0)
+        model = GPT(config).to(device=device, dtype=dtype).eval()
+        context = torch.randint(0, vocab, (min(config.block_size // 2, 256),)).tolist()
+        name = f"random model {cfg['shape']}"
+    else:
+        model, tok, ckpt = load_model(cfg["out_dir"], device, dtype)
+        if model.config.n_drafts == 0:
+            raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
+        context = validation_prompts(ckpt, tok, 1, min(model.config.block_size // 2, 256))[0]
+        name = cfg["out_dir"]
+    c = model.config
+    costs, ar_ms = pass_cost(model, context)
+    log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, {device} "
+        f"{str(dtype)[6:]}, {torch.get_num_threads()} threads; KV cache of {len(context)} tokens")
+    log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of n nodes, "
+        "in autoregressive steps:")
+    log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
+    return {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+
+
 def main(argv=None):
-    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json"))
+    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost"))
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    log = lambda *a: print(*a, flush=True)
+    out = sys.stderr if cfg["json"] else sys.stdout  # with --json, stdout holds only the JSON document
+    log = lambda *a: print(*a, file=out, flush=True)
+    if cfg["pass_cost"]:
+        result = step_costs(cfg, device, getattr(torch, dtype), log)
+        if cfg["json"]:
+            print(json.dumps(result))
+        return result
     if cfg["compare"]:
         rows = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
         if cfg["json"]:

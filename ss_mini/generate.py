@@ -1,21 +1,21 @@
 """The two decoders: KV-cached autoregressive (`generate_ar`) and Speculative Streaming
 (`generate_speculative`). Both return (new tokens, Stats) and call `on_tokens` with each
-pass's tokens as soon as they are final.
+pass's tokens as soon as they are final. Each is a loop around one step function
+(`ar_step`, `speculative_step`), which bench.py also times on its own.
 
-One speculative step (paper §3.2):
-  1. tree draft: root r (the next token, already decided) plus drafts from the
-     streams q_1..q_gamma of the last accepted token          -> tree.py
+One speculative step (paper §3.2), `speculative_step`:
+  1. tree draft: root r (the next token, already decided) plus candidates ranked per
+     depth from the streams q_1..q_gamma of the last accepted token  -> tree.py, Sampler.draft
   2. one forward pass over the tree: the main stream verifies every node, and the
-     streams of every node draft for the step after            -> GPT.forward_nodes
-     (optionally pruned half-way                               -> pruning.py)
-  3. verify: walk from the root; at node u draw y from the target distribution p_u
-     (argmax when greedy); if a child of u carries y go there, else stop: y is the
-     next root                                                 -> `_walk`
+     streams of every node draft for the step after                  -> GPT.forward_nodes
+     (optionally pruned half-way                                     -> pruning.py)
+  3. verify: the token y_u the target emits at every node u (argmax when greedy;
+     speculative sampling otherwise, see `Sampler`); walk from the root while a child
+     carries y_u; the last y is the next root                       -> Sampler.verify, `walk`
   4. accept: keep the path's K/V in the cache (compaction); its last node's streams
-     are the next drafts                                       -> KVCache.accept
-Every emitted token is drawn from the same distribution as in plain decoding (the
-drafts only choose where to look), so the method is lossless for sampling as well as
-greedy; greedy outputs are token-for-token those of `generate_ar`.
+     are the next drafts                                             -> KVCache.accept
+Greedy outputs are token-for-token those of `generate_ar`; sampled outputs follow exactly
+the distribution of plain sampling (lossless), but not the same random draws.
 
 Context longer than block_size: both decoders use the same sliding-window rule. When
 the cache is full they rebuild it from the last block_size // 2 tokens (one prefill
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import KVCache, stream_mask, tree_mask
-from .pruning import prune_tree
+from .model import KVCache, attention_mask
+from .pruning import pruned_pass
 
 
 @dataclass
@@ -66,8 +66,34 @@ def target_probs(logits, temperature=1.0, top_k=None, top_p=None):
     return probs
 
 
-class Picker:
-    """Draws the next token at one or many positions: argmax when temperature == 0."""
+def _sample(probs, gen):
+    """One draw per row from probs (n, V), without a host sync: the exponential race
+    argmax p_i / E_i, E_i ~ Exp(1), picks i with probability p_i (as gpt-fast does)."""
+    return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(-1)
+
+
+class Sampler:
+    """The sampling rule, in one place: the next token (`pick`), the ranked draft candidates
+    of each depth (`draft`) and the token the target emits at each tree node (`verify`).
+
+    Greedy (temperature 0): argmax everywhere; the candidates are the top-k tokens of q_j.
+
+    Sampling: speculative sampling on the tree (Leviathan et al. 2023, Chen et al. 2023;
+    several children per node: SpecInfer, Miao et al. 2023; drafts without replacement:
+    Jeon et al. 2024, "Recursive Speculative Decoding"). p is the target distribution at a
+    node and q the draft distribution of the depth below it, both after the same
+    temperature, top-k and top-p. The candidates of a depth are a sample from q without
+    replacement, in order (Gumbel-top-k); a node's children hold ranks 0..m-1 of it. At a
+    node the children are tried in rank order: child x is accepted with probability
+    min(1, p(x)/q(x)); on rejection p becomes the residual norm(max(0, p - q)) and x is
+    removed from q (renormalised), and the next child is tried; when none is left, the
+    token is drawn from the residual. Each round emits a token distributed as its p, so
+    the token at every node is distributed exactly as plain sampling's, whatever q is: the
+    method stays lossless, and a draft is accepted with probability about 1 - TV(p, q)
+    instead of p(x). A tree's shape must not depend on the sampled tokens, only on q
+    (tree.py): a shape chosen by the sample would bias it. All draws come from one
+    generator, in bulk, on the device.
+    """
 
     def __init__(self, temperature, top_k, top_p, seed, device):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -76,11 +102,39 @@ class Picker:
             self.gen = torch.Generator(device=device)
             self.gen.manual_seed(seed if seed is not None else torch.seed())
 
-    def __call__(self, logits):  # (n, V) -> (n,)
-        if self.temperature == 0:
+    def probs(self, logits):
+        return target_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits):  # (n, V) -> (n,)
+        return logits.argmax(-1) if self.gen is None else _sample(self.probs(logits), self.gen)
+
+    def draft(self, q, width):
+        """(ranked candidates (depths, width), draft probabilities or None when greedy) from q (depths, V)."""
+        if self.gen is None:
+            return torch.topk(q, width, dim=-1).indices, None
+        q = self.probs(q)
+        return torch.topk(q / torch.empty_like(q).exponential_(generator=self.gen), width, dim=-1).indices, q
+
+    def verify(self, logits, q, ranked, shape):
+        """The token the target emits at each node (n,): argmax, or speculative sampling
+        (recursive rejection over the node's children; see the class docstring)."""
+        if self.gen is None:
             return logits.argmax(-1)
-        probs = target_probs(logits, self.temperature, self.top_k, self.top_p)
-        return torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        p, q, cand = self.probs(logits), q[shape.cand_row], ranked[shape.cand_row]  # per node: (n, V), (n, V), (n, W)
+        u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
+        ys, done = torch.full_like(shape.n_children, -1), torch.zeros_like(shape.n_children, dtype=torch.bool)
+        for r in range(shape.max_children):
+            x = cand[:, r:r + 1]
+            px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+            tried = (shape.n_children > r) & ~done & (qx > 0)  # q(x) = 0: x was not drawn (q had no more support)
+            accept = tried & (u[:, r] * qx < px)
+            ys, done = torch.where(accept, x[:, 0], ys), done | accept
+            reject = (tried & ~accept)[:, None]
+            residual = (p - q).clamp_min(0)
+            mass = residual.sum(-1, keepdim=True)
+            p = torch.where(reject & (mass > 0), residual / mass.clamp_min(1e-30), p)
+            q = torch.where(reject, q.scatter(1, x, 0.0) / (1 - qx).clamp_min(1e-30)[:, None], q)
+        return torch.where(done, ys, _sample(p, self.gen))
 
 
 def _prepare(model, prompt, max_new_tokens):
@@ -96,17 +150,25 @@ def _prepare(model, prompt, max_new_tokens):
     return prompt
 
 
-def _prefill(model, ctx, cache, positions, with_streams):
-    """Fill the cache with ctx; return the last position's main logits (V,) and streams (gamma, V)."""
+def _prefill(model, ctx, cache, with_streams):
+    """Fill the cache with ctx; return the last position's main logits (V,) and draft logits (gamma, V)."""
     cache.reset()
-    n = len(ctx)
-    idx = torch.tensor([ctx], dtype=torch.long, device=positions.device)
-    mask = tree_mask(range(-1, n - 1)).to(positions.device)
-    stream_idx = torch.tensor([n - 1], device=positions.device) if with_streams else None
-    main, streams = model.forward_nodes(idx, positions[:n], mask, stream_idx=stream_idx, cache=cache,
-                                        streams=with_streams, last_only=True)
+    n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
+    idx = torch.tensor([ctx], dtype=torch.long, device=dev)
+    g = model.config.n_streams if with_streams else 0
+    mask = attention_mask(range(-1, n - 1), g, stream_idx=[n - 1], dtype=dtype, device=dev)
+    main, hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
+                                       stream_idx=[n - 1], streams=with_streams, last_only=True)
     cache.accept(n)
-    return main[0, -1], (streams[0, -1] if with_streams else None)
+    return main[0, -1], (model.draft_logits(hidden[0, -1]) if with_streams else None)
+
+
+def ar_step(model, cache, root, sampler, positions):
+    """One autoregressive pass: cache the root (1,), return the token after it (1,)."""
+    L = cache.length
+    logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, streams=False)
+    cache.accept(1)
+    return sampler.pick(logits[0])
 
 
 @torch.inference_mode()
@@ -118,10 +180,10 @@ def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_
     T, dev = model.config.block_size, model.lm_head.weight.device
     cache = KVCache(model.config, T, device=dev, dtype=model.lm_head.weight.dtype)
     positions = torch.arange(T, device=dev)
-    pick = Picker(temperature, top_k, top_p, seed, dev)
+    sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, _ = _prefill(model, ctx, cache, positions, with_streams=False)
-    root = pick(logits[None])  # (1,): stays on the device, it is the next input
+    logits, _ = _prefill(model, ctx, cache, with_streams=False)
+    root = sampler.pick(logits[None])  # (1,): stays on the device, it is the next input
     stats.passes = 1
     out = []
     while True:
@@ -133,24 +195,21 @@ def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_
             on_tokens([token])
         if len(out) >= max_new_tokens:
             break
-        L = cache.length
-        if L == T:  # sliding window: rebuild from the last T // 2 tokens
+        if cache.length == T:  # sliding window: rebuild from the last T // 2 tokens
             ctx = ctx[-(T // 2):]
-            _prefill(model, ctx, cache, positions, with_streams=False)
+            _prefill(model, ctx, cache, with_streams=False)
             stats.passes += 1
-            L = cache.length
-        logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, streams=False)
-        cache.accept(1)
+        root = ar_step(model, cache, root, sampler, positions)
         ctx.append(token)
-        root = pick(logits[0])
         stats.passes += 1
         stats.accepted.append(1)
     stats.new_tokens, stats.seconds = len(out), time.perf_counter() - t0
     return out, stats
 
 
-def _walk(ys, tokens, children):
-    """Verify: from the root, follow the child that carries the target's token y."""
+def walk(ys, tokens, children):
+    """Verify: from the root, follow the child that carries the target's token y; return
+    the path (node indices, root first) and the token after it."""
     path, u = [0], 0
     while True:
         y = ys[u]
@@ -163,21 +222,32 @@ def _walk(ys, tokens, children):
         u = c
 
 
-class _StaticMasks:
-    """Masks of a fixed tree shape, built once per depth cut with block_size all-True
-    prefix columns in front; a step with L cached tokens takes a view of the last L."""
+def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0):
+    """One forward pass of Speculative Streaming: verify the tree drafted from q, draft the next.
 
-    def __init__(self, tree, n_streams, block_size, device):
-        self.tree, self.g, self.T, self.device, self.by_n = tree, n_streams, block_size, device, {}
-
-    def at(self, n, L):
-        if n not in self.by_n:
-            mask = tree_mask(self.tree.parents[:n], self.T).to(self.device)
-            depths = torch.tensor(self.tree.depths[:n], device=self.device)
-            children = [[c for c in ch if c < n] for ch in self.tree.children[:n]]  # a depth cut drops nodes
-            self.by_n[n] = (mask, stream_mask(mask, self.g) if self.g else None, depths, children)
-        mask, smask, depths, children = self.by_n[n]
-        return mask[:, self.T - L:], smask[:, self.T - L:] if smask is not None else None, depths, children
+    root: (1,) the next token, decided but not yet cached; q: (gamma, V) the draft logits of
+    the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
+    first), now cached; y, the token after them (the next root, also as a (1,) tensor); the
+    next draft logits; the number of nodes verified.
+    """
+    L = cache.length
+    # 1. tree draft: candidates ranked per depth, placed into the tree's shape
+    ranked, q_probs = sampler.draft(q, tree.width)
+    shape = tree.shape(q, max_depth)
+    tokens = shape.tokens(root, ranked)
+    # 2. one forward pass: the main stream verifies every node, the streams of every node draft
+    if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
+        tokens, shape, logits, hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
+    else:
+        logits, hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache)
+    # 3. verify: the token the target emits at every node; walk while a child carries it
+    ys_t = sampler.verify(logits[0], q_probs, ranked, shape)
+    ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
+    path, y = walk(ys, toks, shape.children)
+    # 4. accept: keep the path's K/V; the streams of its last node draft the next step
+    cache.accept(path)
+    u = path[-1]
+    return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(hidden[0, u]), shape.n
 
 
 @torch.inference_mode()
@@ -185,23 +255,25 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
                          eot=None, on_tokens=None, prune_threshold=0.0):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass."""
+    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only)."""
     cfg = model.config
     if prune_threshold and not cfg.prune_adapter_rank:
         raise ValueError("prune_threshold needs a model trained with a pruning adapter (--prune_adapter_rank=8)")
+    if prune_threshold and temperature > 0:
+        raise ValueError("parallel tree pruning is greedy only: it drops drafts by their tokens, which would bias "
+                         "speculative sampling; use temperature=0 or prune_threshold=0")
     if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with --n_streams=3, "
                          "or decode without --speculative")
     t0 = time.perf_counter()
     ctx = _prepare(model, prompt, max_new_tokens)
-    T, dev = cfg.block_size, model.lm_head.weight.device
-    cache = KVCache(cfg, T + len(tree), device=dev, dtype=model.lm_head.weight.dtype)  # + tentative slots
-    positions = torch.arange(T + len(tree), device=dev)
-    pick = Picker(temperature, top_k, top_p, seed, dev)
-    masks = _StaticMasks(tree, cfg.n_streams, T, dev) if tree.static else None
+    T, dev, dtype = cfg.block_size, model.lm_head.weight.device, model.lm_head.weight.dtype
+    tree.bind(cfg, dev, dtype)
+    cache = KVCache(cfg, T + len(tree) * (1 + cfg.n_streams), device=dev, dtype=dtype)  # + tentative slots
+    sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, q = _prefill(model, ctx, cache, positions, with_streams=True)
-    root = pick(logits[None])
+    logits, q = _prefill(model, ctx, cache, with_streams=True)
+    root = sampler.pick(logits[None])
     stats.passes = 1
     out = [root.item()]
     if out[0] == eot:
@@ -209,54 +281,17 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     elif on_tokens:
         on_tokens(out)
     while out and out[-1] != eot and len(out) < max_new_tokens:
-        L = cache.length
-        if L == T:  # sliding window, the same rule as generate_ar
+        if cache.length == T:  # sliding window, the same rule as generate_ar
             ctx = ctx[-(T // 2):]
-            _, q = _prefill(model, ctx, cache, positions, with_streams=True)
+            _, q = _prefill(model, ctx, cache, with_streams=True)
             stats.passes += 1
-            L = cache.length
-        max_depth = T - 1 - L  # positions stay < block_size
-        # 1. tree draft
-        if tree.static:
-            tokens_t, n = tree.draft(root, q, max_depth)
-            mask, smask, depths, children = masks.at(n, L)
-        else:
-            tokens, parents, depths_l, children = tree.draft(root, q, max_depth)
-            n = len(tokens)
-            tokens_t = torch.tensor(tokens, device=dev)
-            mask = tree_mask(parents, L).to(dev)
-            smask = stream_mask(mask, cfg.n_streams) if cfg.n_streams else None
-            depths = torch.tensor(depths_l, device=dev)
-        # 2. one forward pass: verify all nodes, draft from all nodes
-        if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
-            h = model.forward_bottom(tokens_t[None], depths + L, mask, cache)
-            parents = tree.parents[:n] if tree.static else parents
-            h, mask, kept = prune_tree(model, h, tokens_t, parents, mask, cache, prune_threshold)
-            if len(kept) < n:
-                index_of = {u: i for i, u in enumerate(kept)}
-                children = [[index_of[c] for c in children[u] if c in index_of] for u in kept]
-                tokens_t, smask, n = tokens_t[torch.tensor(kept, device=dev)], None, len(kept)
-                if not tree.static:
-                    tokens = [tokens[u] for u in kept]
-            logits, streams = model.forward_top(h, mask, cache=cache, smask=smask)
-        else:
-            logits, streams = model.forward_nodes(tokens_t[None], depths + L, mask, cache=cache, smask=smask)
-        ys_t = pick(logits[0])
-        # 3. verify (the one host sync of the step)
-        if tree.static:
-            ys, tokens = torch.stack([ys_t, tokens_t]).tolist()
-        else:
-            ys = ys_t.tolist()
-        path, y = _walk(ys, tokens, children)
-        # 4. accept: compact the cache, the last node's streams draft the next step
-        a = len(path)
-        cache.accept(a if path[-1] == a - 1 else torch.tensor(path, device=dev))
-        ctx.extend(tokens[i] for i in path)
-        q, root = streams[0, path[-1]], ys_t[path[-1]:path[-1] + 1]
+        max_depth = T - 1 - cache.length  # positions stay < block_size
+        path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold)
+        ctx.extend(path)
         stats.passes += 1
-        stats.accepted.append(a)
+        stats.accepted.append(len(path))
         stats.nodes.append(n)
-        new = [tokens[i] for i in path[1:]] + [y]
+        new = path[1:] + [y]
         if eot is not None and eot in new:
             new = new[:new.index(eot) + 1]
         new = new[:max_new_tokens - len(out)]

@@ -98,12 +98,33 @@ def stream_mask(mask, n_streams, stream_idx=None):
     return torch.cat([rows.repeat_interleave(g, dim=0), own], dim=1)
 
 
-class KVCache:
-    """Preallocated keys/values of the main stream for all layers, with a length pointer.
+def attention_mask(parents, n_streams=0, prefix_len=0, stream_idx=None, dtype=torch.bool, device="cpu"):
+    """The mask of one forward pass: rows [n main nodes; their streams], keys [cached prefix;
+    n main nodes; the stream rows], so main and stream rows share one attention call.
 
-    A forward over n nodes writes tentative K/V at slots L..L+n-1 (`length` stays L);
-    `accept` then keeps the accepted ones at L..L+a-1. One tensor for all layers, so
-    that compacting an accepted path is one gather for the whole model.
+    Main rows see what `tree_mask` allows and no stream (the main stream never attends to a
+    stream); stream rows follow `stream_mask` (Eq. 2). dtype=torch.bool: True = may attend;
+    a float dtype gives the additive form (0 or -inf) that SDPA uses without converting it on
+    every call. stream_idx: the nodes that carry streams (None = all; [] = none).
+    """
+    main = tree_mask(parents, prefix_len)
+    if n_streams and (stream_idx is None or len(stream_idx)):
+        streams = stream_mask(main, n_streams, stream_idx)
+        main = torch.cat([main, torch.zeros(main.shape[0], streams.shape[0], dtype=torch.bool)], dim=1)
+        main = torch.cat([main, streams], dim=0)
+    if dtype != torch.bool:
+        main = torch.zeros(main.shape, dtype=dtype).masked_fill_(~main, float("-inf"))
+    return main.to(device)
+
+
+class KVCache:
+    """Preallocated keys/values of all layers, with a length pointer L (the accepted tokens).
+
+    A pass over n nodes (and their stream rows) writes tentative K/V at slots L, L+1, ...
+    (`length` stays L); `accept` then keeps the accepted nodes at L..L+a-1. Stream rows are
+    written after the nodes only so that their attention reads one contiguous view; they
+    are never accepted, so streams keep no cache of their own (Eq. 2: they read the main
+    stream's). One tensor for all layers: compacting an accepted path is one gather.
     """
 
     def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32):
@@ -112,21 +133,22 @@ class KVCache:
         self.length = 0
 
     def write(self, layer, kv):
-        """Store a pass's keys and values kv (2, B, H, n, hd) after the prefix; return all
+        """Store a pass's keys and values kv (2, B, H, rows, hd) after the prefix; return all
         keys and values so far."""
         L, n = self.length, kv.shape[3]
         if L + n > self.kv.shape[4]:
             raise ValueError(f"KV cache overflow: {L} + {n} > {self.kv.shape[4]} slots")
         self.kv[layer, :, :, :, L:L + n] = kv
-        return self.kv[layer, 0, :, :, :L + n], self.kv[layer, 1, :, :, :L + n]
+        return self.kv[layer, :, :, :, :L + n].unbind(0)
 
     def accept(self, path):
-        """Keep the tentative slots `path` (sorted node indices) as L..L+a-1, or the first `path` if int."""
-        if isinstance(path, int):
-            self.length += path
-            return
-        a, L = path.numel(), self.length
-        self.kv[..., L:L + a, :] = self.kv[..., L + path, :]  # index_select copies first: no aliasing
+        """Keep the tentative slots of the nodes `path` (sorted node indices) as L..L+a-1, or
+        the first `path` if it is an int. A path that is a prefix of the nodes (a chain, or
+        the root alone) is already in place."""
+        a, L = (path, self.length) if isinstance(path, int) else (len(path), self.length)
+        if not isinstance(path, int) and path[-1] != a - 1:
+            index = torch.tensor(path, device=self.kv.device) + L
+            self.kv[..., L:L + a, :] = self.kv[..., index, :]  # index_select copies first: no aliasing
         self.length += a
 
     def reset(self):
@@ -148,14 +170,17 @@ class StreamAdapter(nn.Module):
         return torch.cat([y[:, :n], y[:, n:] + self.up(self.down(x[:, n:]))], dim=1)
 
 
-class MultiStreamAttention(nn.Module):
-    """Causal self-attention of the main stream plus multi-stream attention (Eq. 2).
+def dropout(x, p, training):
+    """Dropout that costs nothing when off (no op at all, not even an identity module call)."""
+    return F.dropout(x, p, True) if p and training else x
 
-    Input rows: n main nodes, then the stream rows. The main rows attend only to main
-    keys (the cached prefix and the nodes, under `mask`), so they never see a stream.
-    The stream rows attend, in one fused call, to [main keys; stream keys] under
-    `smask` (see `stream_mask`): n*g*(Lk + n*g) scores instead of the (n*(1+g))^2 of
-    one attention call over every row, and no main row pays for the streams.
+
+class MultiStreamAttention(nn.Module):
+    """Causal self-attention of the main stream plus multi-stream attention (Eq. 2), in one
+    call: queries are the n main rows and the stream rows, keys are [cached prefix; main
+    rows; stream rows], and the mask from `attention_mask` keeps every main row away from
+    the streams (so the main stream never sees one) and gives each stream row what Eq. 2
+    allows. At decode time this is one small call instead of two and no concatenation.
     """
 
     def __init__(self, config, msa=False):
@@ -166,22 +191,18 @@ class MultiStreamAttention(nn.Module):
         self.stream_adapter = StreamAdapter(config.n_embd, 3 * config.n_embd, r) if r else None
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, n, mask, smask, cache, layer):
+    def forward(self, x, n, mask, cache, layer):
         B, T, C = x.shape
         qkv = self.c_attn(x) if self.stream_adapter is None or T == n else self.stream_adapter(self.c_attn, x, n)
         qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
         q, k, v = qkv
-        km, vm = cache.write(layer, qkv[1:, :, :, :n]) if cache is not None else (k[:, :, :n], v[:, :, :n])
-        p = self.dropout if self.training else 0.0
-        # bool masks, True = may attend; mask=None: every node sees every key (a one-token step)
-        y = F.scaled_dot_product_attention(q[:, :, :n], km, vm, attn_mask=mask, dropout_p=p)
-        if T > n:
-            ks, vs = torch.cat([km, k[:, :, n:]], dim=2), torch.cat([vm, v[:, :, n:]], dim=2)
-            y = torch.cat([y, F.scaled_dot_product_attention(q[:, :, n:], ks, vs, attn_mask=smask, dropout_p=p)], dim=2)
+        if cache is not None:  # keys and values of the cached prefix and of this pass's rows
+            k, v = cache.write(layer, qkv[1:])
+        # mask=None: every row sees every key (a one-token step without streams)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return dropout(self.c_proj(y), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -192,11 +213,11 @@ class MLP(nn.Module):
         self.stream_adapter = StreamAdapter(config.n_embd, 4 * config.n_embd, r) if r else None
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
 
     def forward(self, x, n):
         h = self.c_fc(x) if self.stream_adapter is None or x.shape[1] == n else self.stream_adapter(self.c_fc, x, n)
-        return self.dropout(self.c_proj(self.gelu(h)))
+        return dropout(self.c_proj(self.gelu(h)), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -210,8 +231,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config, msa)
 
-    def forward(self, x, n, mask, smask, cache, layer):
-        x = x + self.attn(self.ln_1(x), n, mask, smask, cache, layer)
+    def forward(self, x, n, mask, cache, layer):
+        x = x + self.attn(self.ln_1(x), n, mask, cache, layer)
         return x + self.mlp(self.ln_2(x), n)
 
 
@@ -236,7 +257,6 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, msa=i >= config.n_layer - config.n_msa_layers) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
@@ -299,17 +319,19 @@ class GPT(nn.Module):
         from .pretrained import load_gpt2
         return load_gpt2(spec, **stream_args)
 
-    def forward_nodes(self, idx, pos, mask=None, stream_idx=None, cache=None, streams=True, last_only=False, smask=None):
+    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, streams=True, last_only=False):
         """Run main nodes idx (B, n) at positions pos (n,) and the streams of some of them.
 
-        mask: bool (n, Lk) from `tree_mask` (Lk = cached length + n), or None when every
-        node may see every key. stream_idx: the nodes that carry streams (None = all);
-        streams=False: none. smask: the stream mask, if the caller has it built already.
-        Returns main logits (B, n, V) (only the last node's with last_only) and draft
-        logits (B, m, gamma, V) from the streams (or the Medusa heads), or None.
+        mask: from `attention_mask` for these nodes (and their streams, with streams=True),
+        with the cached prefix as its first columns; None for one node that sees every key.
+        stream_idx: the nodes that carry streams (None = all); streams=False: none.
+        Returns the main logits (B, n, V) (only the last node's with last_only) and the
+        drafter's hidden states (B, m, gamma, d) for the streams, (B, m, d) for Medusa, or
+        None: `draft_logits` turns them into draft logits. The LM head runs on the main rows
+        only, so a pass pays for draft logits only where they are used (the accepted node).
         """
         x = self.forward_bottom(idx, pos, mask, cache, streams)
-        return self.forward_top(x, mask, stream_idx, cache, streams, last_only, smask)
+        return self.forward_top(x, mask, stream_idx, cache, streams, last_only)
 
     def _first_msa(self, streams):
         cfg = self.config
@@ -317,45 +339,51 @@ class GPT(nn.Module):
 
     def forward_bottom(self, idx, pos, mask=None, cache=None, streams=True):
         """Embeddings and the layers below stream insertion: main rows only."""
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        n = idx.shape[1]
+        x = dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), self.config.dropout, self.training)
+        if mask is not None:  # the main rows' part: the prefix and the nodes, no stream keys
+            mask = mask[:n, :mask.shape[1] - mask.shape[0] + n]
         for i in range(self._first_msa(streams)):
-            x = self.transformer.h[i](x, x.shape[1], mask, None, cache, i)
+            x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
-    def forward_top(self, x, mask=None, stream_idx=None, cache=None, streams=True, last_only=False, smask=None):
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, streams=True, last_only=False):
         """Stream insertion, the multi-stream attention layers and the heads (see forward_nodes)."""
         cfg = self.config
         n, first_msa = x.shape[1], self._first_msa(streams)
         if first_msa < cfg.n_layer:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
             src = x if stream_idx is None else x[:, stream_idx]
             x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb).flatten(1, 2)], dim=1)
-            if smask is None:
-                Lk = n + (cache.length if cache is not None else 0)
-                rows = mask if mask is not None else torch.ones(n, Lk, dtype=torch.bool, device=x.device)
-                smask = stream_mask(rows, cfg.n_streams, stream_idx)
+            if mask is None:  # one node: it sees every key, its streams see it and their lower streams
+                L = cache.length if cache is not None else 0
+                mask = attention_mask([-1], cfg.n_streams, L, dtype=x.dtype, device=x.device)
         for i in range(first_msa, cfg.n_layer):
-            x = self.transformer.h[i](x, n, mask, smask, cache, i)
+            x = self.transformer.h[i](x, n, mask, cache, i)
         x = self.transformer.ln_f(x)
         drafts = None
-        if cfg.n_medusa_heads and streams:  # Medusa drafts from the main hidden states
-            src = x[:, :n] if stream_idx is None else x[:, stream_idx]
-            drafts = torch.stack([head(src) for head in self.medusa_heads], dim=2)
-        if last_only:
-            x, n = torch.cat([x[:, n - 1:n], x[:, n:]], dim=1), 1
-        logits = self.lm_head(x)  # the shared head: main rows and stream rows together
-        if x.shape[1] > n:
-            drafts = logits[:, n:].unflatten(1, (-1, cfg.n_streams))
-        return logits[:, :n], drafts
+        if cfg.n_streams and streams:
+            drafts = x[:, n:].unflatten(1, (-1, cfg.n_streams))
+        elif cfg.n_medusa_heads and streams:  # Medusa drafts from the main hidden states
+            drafts = x[:, :n] if stream_idx is None else x[:, stream_idx]
+        main = x[:, n - 1:n] if last_only else x[:, :n]
+        return self.lm_head(main), drafts
+
+    def draft_logits(self, h):
+        """Draft logits from the drafter's hidden states (see forward_nodes): the shared LM
+        head for stream rows (B.., gamma, d) -> (B.., gamma, V); Medusa's heads for main
+        rows (B.., d) -> (B.., K, V)."""
+        if self.config.n_medusa_heads:
+            return torch.stack([head(h) for head in self.medusa_heads], dim=-2)
+        return self.lm_head(h)
 
     def _chain_masks(self, T, device):
         """Training is the decoding mask rule applied to a chain: built once per length."""
         if (T, device) not in self._train_masks:
-            mask = tree_mask(np.arange(T) - 1).to(device)
-            self._train_masks[(T, device)] = (mask, stream_mask(mask, self.config.n_streams) if self.config.n_streams else None)
+            self._train_masks[(T, device)] = attention_mask(np.arange(T) - 1, self.config.n_streams, device=device)
         return self._train_masks[(T, device)]
 
     def forward(self, idx, targets=None):
-        """Training forward over a chain: returns (main logits, stream logits, losses).
+        """Training forward over a chain: returns (main logits, draft logits, losses).
 
         losses (when targets are given): 'loss' = Eq. 5, CE(main) + sum_j alpha_j CE(stream j)
         (+ alpha CE of the pruning adapter's early logits), 'main', 'streams' (a list) and
@@ -366,9 +394,10 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        mask, smask = self._chain_masks(T, idx.device)
+        mask = self._chain_masks(T, idx.device)
         h = self.forward_bottom(idx, pos, mask)
-        main, stream = self.forward_top(h, mask, smask=smask)
+        main, drafts = self.forward_top(h, mask)
+        stream = self.draft_logits(drafts) if drafts is not None else None
         if targets is None:
             return main, stream, None
         V = main.shape[-1]

@@ -25,31 +25,31 @@ class PruningAdapter(nn.Module):
 
 
 @torch.no_grad()
-def prune_tree(model, h, tokens, parents, mask, cache, threshold):
-    """Between GPT.forward_bottom and GPT.forward_top of a tree pass.
+def pruned_pass(model, tokens, shape, tree, cache, threshold):
+    """A tree pass (GPT.forward_nodes) with pruning between GPT.forward_bottom and GPT.forward_top.
 
-    h: (1, n, d) main hidden states at layer N - Ns; tokens: (n,) the tree's tokens;
-    parents: list; mask: (n, L + n) tree mask. Returns (h, mask, kept): the surviving
-    nodes (in order, root first), their mask, and their indices. The bottom layers'
-    cached K/V of the kept nodes move to slots L..L+len(kept)-1; those of dropped nodes
-    are simply not kept.
+    tokens: (n,) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
+    it. At layer N - Ns the early transition probability of every edge decides which nodes
+    survive; a dropped node takes its subtree with it. Returns (tokens, shape, main logits,
+    draft hidden states) of the surviving nodes, root first. The bottom layers' cached K/V
+    of the kept nodes move to slots L..L+kept-1; those of dropped nodes are simply not kept.
     """
-    n = h.shape[1]
-    if n == 1:
-        return h, mask, [0]
-    parent_idx = torch.tensor(parents[1:], device=h.device)
-    early = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
-    p_edge = early.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
-    alive = [True] + [False] * (n - 1)
-    for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
-        alive[u] = alive[parents[u]] and p_edge[u - 1] >= threshold
-    kept = [u for u in range(n) if alive[u]]
-    if len(kept) == n:
-        return h, mask, kept
-    k = torch.tensor(kept, device=h.device)
-    L = mask.shape[1] - n
-    mask = mask[k][:, torch.cat([torch.arange(L, device=h.device), L + k])]
-    if cache is not None:
-        first_msa = model.config.n_layer - model.config.n_msa_layers
-        cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
-    return h[:, k], mask, kept
+    L, n = cache.length, shape.n
+    h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache)
+    if n > 1:
+        parent_idx = torch.tensor(shape.parents[1:], device=h.device)
+        early = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
+        p_edge = early.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
+        alive = [True] + [False] * (n - 1)
+        for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
+            alive[u] = alive[shape.parents[u]] and p_edge[u - 1] >= threshold
+        kept = [u for u in range(n) if alive[u]]
+        if len(kept) < n:
+            index = {u: i for i, u in enumerate(kept)}
+            shape = tree.shape_of([index.get(shape.parents[u], -1) for u in kept], [shape.ranks[u] for u in kept])
+            k = torch.tensor(kept, device=h.device)
+            first_msa = model.config.n_layer - model.config.n_msa_layers
+            cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
+            h, tokens = h[:, k], tokens[k]
+    logits, hidden = model.forward_top(h, shape.mask(L), cache=cache)
+    return tokens, shape, logits, hidden

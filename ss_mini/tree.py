@@ -2,96 +2,146 @@
 
 The streams of the last accepted token give gamma distributions q_1..q_gamma over the
 tokens at depths 1..gamma after the root r (the next token, already decided). A tree
-draft puts r at depth 0 and, at depth j, candidate tokens from q_j. Trees are flat
-arrays in topological order (a parent before its children), so that a depth limit
-is a prefix of the nodes:
+draft puts r at depth 0 and, at depth j, candidates from q_j. The candidates of each
+depth come *ranked* from the sampling rule (generate.py: the top-K tokens of q_j when
+greedy, a sample without replacement when sampling), and every node is (depth, rank):
+the children of a node always hold ranks 0..m-1 of the next depth. A tree's *shape*
+(`TreeShape`) is flat arrays in topological order (a parent before its children), so
+that a depth limit is a prefix of the nodes:
 
-    tokens[n]    token of each node (tokens[0] = r)
     parents[n]   index of the parent, -1 for the root
-    depths[n]    0 for the root, j for a draft from stream j
+    depths[n]    0 for the root, j for a candidate from stream j
+    ranks[n]     rank of the node's token among the candidates of its depth
     children[n]  child indices, for the walk of the verifier
 
-Two shapes:
+Two shapes, one interface (`tree.shape(q, max_depth)` -> TreeShape):
 - `CartesianTree(ks)`: the paper's tree, every node at depth j-1 gets the top-k_j
-  tokens of q_j: 1 + k_1 + k_1 k_2 + ... nodes. Its shape is fixed, so its masks are
-  built once.
-- `BudgetTree(n)`: the n nodes with the largest product of stream probabilities
-  along their path, always containing the top-1 chain; its shape follows the drafts.
+  candidates of depth j: 1 + k_1 + k_1 k_2 + ... nodes, always the same shape.
+- `BudgetTree(n)`: the n nodes with the largest product of stream probabilities along
+  their path (ranks scored by the sorted probabilities of q), always containing the
+  top-1 chain; its shape follows the drafts, and each shape met is kept for reuse.
+A shape carries what the pass needs on the device, built once: the node depths, the
+gather index into the ranked candidates and the attention mask in SDPA's additive form,
+with block_size prefix columns, so a step with L cached tokens takes a view.
 """
 import heapq
 import itertools
 
 import torch
 
+from .model import attention_mask
 
-class CartesianTree:
+
+class TreeShape:
+    def __init__(self, parents, ranks, n_streams, block_size, width, device, dtype):
+        self.parents, self.ranks, self.n = list(parents), list(ranks), len(parents)
+        self.depths, self.children = [0] * self.n, [[] for _ in parents]
+        for i, p in enumerate(self.parents[1:], 1):
+            self.depths[i] = self.depths[p] + 1
+            self.children[p].append(i)
+        self.depth = torch.tensor(self.depths, device=device)
+        # node i > 0 takes the token at flat index (depth - 1) * width + rank of the ranked candidates
+        self.gather = torch.tensor([(d - 1) * width + r for d, r in zip(self.depths[1:], self.ranks[1:])],
+                                   dtype=torch.long, device=device)
+        # for speculative sampling: how many children a node tries, and the depth whose candidates they hold
+        self.n_children = torch.tensor([len(c) for c in self.children], device=device)
+        self.max_children = max(len(c) for c in self.children)
+        self.cand_row = self.depth.clamp(max=max(n_streams - 1, 0))
+        self.block_size = block_size
+        self.full_mask = attention_mask(self.parents, n_streams, block_size, dtype=dtype, device=device)
+
+    def mask(self, L):
+        """The attention mask of this tree after L cached tokens: a view, no work."""
+        return self.full_mask[:, self.block_size - L:]
+
+    def tokens(self, root, ranked):
+        """The tree's tokens: the root (1,), then each node's candidate from ranked (depths, width)."""
+        return torch.cat([root, ranked.reshape(-1)[self.gather]])
+
+
+MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
+
+
+class _Tree:
+    """What both shapes share: binding to a model (streams, block size, vocabulary), a device
+    and a dtype, and the shapes built for them."""
+
+    def bind(self, config, device, dtype):
+        if len(self) > MAX_NODES:
+            raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
+        key = (config.n_drafts, config.block_size, str(device), dtype)
+        if getattr(self, "_key", None) != key or self.width != min(self.max_width, config.vocab_size):
+            self._key, self._shapes = key, {}
+            self.width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
+        return self
+
+    def shape_of(self, parents, ranks):
+        """The TreeShape of these arrays, built once."""
+        key = (tuple(parents), tuple(ranks))
+        if key not in self._shapes:
+            if len(self._shapes) >= 4096:  # a budget tree meets few shapes; bound the memory anyway
+                self._shapes.clear()
+            n_streams, block_size, device, dtype = self._key
+            self._shapes[key] = TreeShape(parents, ranks, n_streams, block_size, self.width, device, dtype)
+        return self._shapes[key]
+
+
+class CartesianTree(_Tree):
     def __init__(self, ks):
         self.ks = tuple(int(k) for k in ks)
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"tree {ks!r}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
-        # nodes in breadth-first order, each with its rank at every depth of its path
-        paths = [()]
+        paths = [()]  # nodes in breadth-first order, each with its rank at every depth of its path
         for k in self.ks:
             paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
         index = {p: i for i, p in enumerate(paths)}
         self.parents = [-1] + [index[p[:-1]] for p in paths[1:]]
-        self.depths = [len(p) for p in paths]
-        self.children = [[] for _ in paths]
-        for i, p in enumerate(self.parents[1:], 1):
-            self.children[p].append(i)
-        kmax = max(self.ks)
-        # node (depth j, rank r at depth j) takes the token at flat index (j-1)*kmax + r of topk(q, kmax)
-        self.gather = torch.tensor([(len(p) - 1) * kmax + p[-1] for p in paths[1:]], dtype=torch.long)
-        self.n_at_depth = [sum(1 for d in self.depths if d <= j) for j in range(len(self.ks) + 1)]
-        self.static = True
+        self.ranks = [0] + [p[-1] for p in paths[1:]]
+        self.n_at_depth = [sum(1 for p in paths if len(p) <= j) for j in range(len(self.ks) + 1)]
+        self.max_width = max(self.ks)
 
     def __len__(self):
         return len(self.parents)
 
-    def draft(self, root, q, max_depth):
-        """root: (1,) token tensor; q: (gamma, V) stream logits. Returns (tokens, n) with the
-        first n nodes (those at depth <= max_depth)."""
+    def bind(self, config, device, dtype):
+        if self.max_width > config.vocab_size:
+            raise ValueError(f"tree {self} asks for the top {self.max_width} tokens of a depth, but the vocabulary "
+                             f"has {config.vocab_size}")
+        return super().bind(config, device, dtype)
+
+    def shape(self, q, max_depth):
+        """The fixed shape, cut to the nodes at depth <= max_depth."""
         n = self.n_at_depth[min(max_depth, len(self.ks))]
-        if self.gather.device != q.device:
-            self.gather = self.gather.to(q.device)
-        drafts = torch.topk(q[:len(self.ks)], max(self.ks), dim=-1).indices.view(-1)
-        return torch.cat([root, drafts[self.gather[:n - 1]]]), n
+        return self.shape_of(self.parents[:n], self.ranks[:n])
 
     def __repr__(self):
         return ",".join(map(str, self.ks))
 
 
-class BudgetTree:
+class BudgetTree(_Tree):
     def __init__(self, n_nodes, n_streams):
         if n_nodes < 1:
             raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
-        self.n_nodes, self.n_streams, self.static = int(n_nodes), n_streams, False
+        self.n_nodes, self.n_streams = int(n_nodes), n_streams
+        self.max_width = max(1, self.n_nodes - 1)
 
     def __len__(self):
         return self.n_nodes
 
-    def draft(self, root, q, max_depth):
-        """Best-first search over paths (rank at depth 1, rank at depth 2, ...) of the
-        top-(n-1) tokens per stream: a child or the next sibling of a chosen node is
-        never more probable than it, so popping from a heap yields the best paths in
-        order. Returns python lists (tokens, parents, depths, children)."""
-        n, D = self.n_nodes, min(max_depth, self.n_streams)
-        k = min(n - 1, q.shape[-1])
-        if n == 1 or D == 0:
-            return [int(root)], [-1], [0], [[]]
-        top = torch.topk(torch.softmax(q[:D].float(), dim=-1), k, dim=-1)
-        probs, toks = top.values.tolist(), top.indices.tolist()
-        tokens, parents, depths, children, score = [int(root)], [-1], [0], [[]], [1.0]
+    def shape(self, q, max_depth):
+        """Best-first search over paths (rank at depth 1, rank at depth 2, ...) scored by the
+        sorted stream probabilities: a child or the next sibling of a chosen node is never
+        more probable than it, so popping from a heap yields the best paths in order."""
+        n, D, k = self.n_nodes, min(max_depth, self.n_streams), self.width
+        if n <= D + 1:  # the budget holds the top-1 chain and no more: no search needed
+            return self.shape_of(list(range(-1, n - 1)), [0] * n)
+        probs = torch.topk(torch.softmax(q[:D].float(), dim=-1), k, dim=-1).values.tolist()
+        parents, ranks, depths, score = [-1], [0], [0], [1.0]
 
         def add(parent, rank):
-            d = depths[parent] + 1
-            tokens.append(toks[d - 1][rank])
-            parents.append(parent)
-            depths.append(d)
-            children.append([])
-            children[parent].append(len(tokens) - 1)
-            score.append(score[parent] * probs[d - 1][rank])
-            return len(tokens) - 1
+            parents.append(parent), ranks.append(rank), depths.append(depths[parent] + 1)
+            score.append(score[parent] * probs[depths[-1] - 1][rank])
+            return len(parents) - 1
 
         frontier, tie = [], itertools.count()
 
@@ -100,16 +150,16 @@ class BudgetTree:
                 heapq.heappush(frontier, (-score[parent] * probs[depths[parent]][rank], next(tie), parent, rank))
 
         node = 0  # the top-1 chain first, so the budget always holds the greedy guess
-        while len(tokens) < n and depths[node] < D:
+        while len(parents) < n and depths[node] < D:
             node = add(node, 0)
             push(parents[node], 1)
         push(node, 0)
-        while len(tokens) < n and frontier:
+        while len(parents) < n and frontier:
             _, _, parent, rank = heapq.heappop(frontier)
             node = add(parent, rank)
             push(parent, rank + 1)
             push(node, 0)
-        return tokens, parents, depths, children
+        return self.shape_of(parents, ranks)
 
     def __repr__(self):
         return f"n{self.n_nodes}"

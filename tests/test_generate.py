@@ -43,9 +43,19 @@ def test_greedy_identity_trained_model(tiny_ckpt):
         assert sum(taus) / len(taus) > 1.2  # the trained streams do draft something
 
 
+def _draft(tree, root, q, max_depth, vocab_size):
+    """The tokens and shape of a greedy tree draft, as speculative_step builds them."""
+    cfg = GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=16, vocab_size=vocab_size, n_streams=3, n_msa_layers=1)
+    tree.bind(cfg, "cpu", torch.float32)
+    shape = tree.shape(q, max_depth)
+    ranked = torch.topk(q, tree.width, dim=-1).indices
+    return shape.tokens(torch.tensor([root]), ranked).tolist(), shape
+
+
 def test_budget_tree_is_best_first_and_holds_top1_chain():
     q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6], [0.5, 0.3, 0.1, 0.1]]))
-    tokens, parents, depths, children = BudgetTree(6, 3).draft(torch.tensor([7]), q, 3)
+    tokens, shape = _draft(BudgetTree(6, 3), 7, q, 3, 4)
+    parents, depths, children = shape.parents, shape.depths, shape.children
     assert tokens[0] == 7 and parents[0] == -1
     chain = [0]
     for d in range(3):
@@ -61,20 +71,22 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
         scores.append(round(s, 4))
     assert sorted(scores, reverse=True) == [0.5, 0.45, 0.3, 0.27, 0.225]
     assert all(parents[i] < i for i in range(1, 6))
-    assert BudgetTree(9, 3).draft(torch.tensor([1]), q, 1)[2] == [0, 1, 1, 1, 1]  # depth cut
+    assert all(shape.ranks[c] == r for ch in children for r, c in enumerate(ch))  # children hold ranks 0..m-1
+    assert _draft(BudgetTree(9, 3), 1, q, 1, 4)[1].depths == [0, 1, 1, 1, 1]  # depth cut; 4 tokens in the vocabulary
 
 
 def test_cartesian_tree_shape():
     t = CartesianTree((3, 2, 1))
     assert len(t) == 1 + 3 + 6 + 6
-    assert t.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
-    assert all(t.parents[i] < i for i in range(1, len(t)))
     q = torch.randn(3, 11)
-    tokens, n = t.draft(torch.tensor([5]), q, 2)
-    assert n == 10 and tokens[0] == 5
+    tokens, shape = _draft(t, 5, q, 3, 11)
+    assert shape.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
+    assert all(shape.parents[i] < i for i in range(1, len(t)))
+    tokens, shape = _draft(t, 5, q, 2, 11)
+    assert shape.n == 10 and tokens[0] == 5
     top = torch.topk(q, 3).indices
-    assert tokens[1:4].tolist() == top[0].tolist()
-    assert tokens[4:10].tolist() == top[1, :2].tolist() * 3
+    assert tokens[1:4] == top[0].tolist()
+    assert tokens[4:10] == top[1, :2].tolist() * 3
     with pytest.raises(ValueError):
         make_tree("1,1,1,1", 3)
     with pytest.raises(ValueError):
@@ -160,13 +172,12 @@ def test_every_draft_accepted_and_every_draft_rejected(monkeypatch):
     assert ar == [3] * 40
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("1,1,1", 3))
     assert ss == ar and stats.accepted[:5] == [4] * 5  # root + 3 drafts every pass
-    forward = model.forward_nodes
+    draft_logits = model.draft_logits
 
-    def wrong_drafts(*a, **k):  # streams now always propose token 4, which the model never emits
-        main, streams = forward(*a, **k)
-        return main, torch.zeros_like(streams).index_fill_(-1, torch.tensor([4]), 50.0)
+    def wrong_drafts(h):  # streams now always propose token 4, which the model never emits
+        return torch.zeros_like(draft_logits(h)).index_fill_(-1, torch.tensor([4]), 50.0)
 
-    monkeypatch.setattr(model, "forward_nodes", wrong_drafts)
+    monkeypatch.setattr(model, "draft_logits", wrong_drafts)
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3))
     assert ss == ar and set(stats.accepted) == {1}
 
@@ -225,35 +236,34 @@ def test_tree_pruning(spec):
 
 
 def test_pruning_keeps_the_cache_consistent():
-    """After pruned passes the cache still equals a fresh prefill of the accepted text."""
+    """After a pruned pass the cache still equals a fresh prefill of the accepted text."""
     import numpy as np
-    from ss_mini.model import KVCache, tree_mask
-    from ss_mini.pruning import prune_tree
+    from ss_mini.model import KVCache, attention_mask
+    from ss_mini.pruning import pruned_pass
     model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():
         model.prune_adapter.up.weight.normal_(0, 0.3)
     ctx = [1, 2, 3, 4]
     cache = KVCache(model.config, 64, dtype=torch.float64)
     n0 = len(ctx)
-    model.forward_nodes(torch.tensor([ctx]), torch.arange(n0), tree_mask(np.arange(n0) - 1), cache=cache)
+    model.forward_nodes(torch.tensor([ctx]), torch.arange(n0), attention_mask(np.arange(n0) - 1, 3), cache=cache)
     cache.accept(n0)
-    parents, depths = [-1, 0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3]
+    tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    shape = tree.shape_of(parents, [0, 0, 1, 0, 1, 0, 0])
     tokens = torch.tensor([5, 6, 7, 8, 9, 10, 0])
-    L = cache.length
-    mask = tree_mask(parents, L)
-    h = model.forward_bottom(tokens[None], torch.tensor(depths) + L, mask, cache)
-    h, mask, kept = prune_tree(model, h, tokens, parents, mask, cache, 0.09)
-    assert 1 < len(kept) < 7, kept  # this seed prunes some nodes, not all
-    main, _ = model.forward_top(h, mask, cache=cache)
-    leaf = kept[-1]
+    tokens_k, shape_k, main, _ = pruned_pass(model, tokens, shape, tree, cache, 0.09)
+    assert 1 < shape_k.n < 7, shape_k.n  # this seed prunes some nodes, not all
+    leaf = shape_k.n - 1
     path = [leaf]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
+    while shape_k.parents[path[-1]] >= 0:
+        path.append(shape_k.parents[path[-1]])
     path = sorted(path)
-    seq = ctx + tokens[path].tolist()
+    seq = ctx + tokens_k[path].tolist()
     ref, _, _ = model(torch.tensor([seq]))
-    torch.testing.assert_close(main[0, kept.index(leaf)], ref[0, -1], rtol=0, atol=1e-10)
-    cache.accept(torch.tensor([kept.index(u) for u in path]))
+    torch.testing.assert_close(main[0, leaf], ref[0, -1], rtol=0, atol=1e-10)
+    cache.accept(path)
     fresh = KVCache(model.config, 64, dtype=torch.float64)
-    model.forward_nodes(torch.tensor([seq]), torch.arange(len(seq)), tree_mask(np.arange(len(seq)) - 1), cache=fresh)
+    model.forward_nodes(torch.tensor([seq]), torch.arange(len(seq)), attention_mask(np.arange(len(seq)) - 1, 3),
+                        cache=fresh)
     torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)

@@ -1,0 +1,92 @@
+"""Measuring the decoders: interleaved runs, the report's metrics, and the cost of one step.
+
+Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
+included; passes = forward passes (prefill counted in both decoders); mean accepted
+tau = tokens per decode pass, root included; call-reduction CR = AR passes / SS passes;
+speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR. Anything compared is run
+interleaved in one process, so that the drift of the machine hits all of it alike.
+"""
+import statistics
+import time
+
+import torch
+
+from .generate import Sampler, _prefill, ar_step, generate_ar, generate_speculative, speculative_step
+from .model import KVCache
+from .tree import BudgetTree
+
+
+def run_interleaved(prompts, decoders):
+    """Every decoder on every prompt, the order rotating from prompt to prompt; returns one
+    list of results per decoder."""
+    results = [[] for _ in decoders]
+    for i, p in enumerate(prompts):
+        for j in range(len(decoders)):
+            k = (i + j) % len(decoders)
+            results[k].append(decoders[k](p))
+    return results
+
+
+def run_pair(model, prompts, tree, kw):
+    """AR and SS on the same prompts, interleaved."""
+    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
+                                     lambda p: generate_speculative(model, p, tree=tree, **kw)])
+
+
+def summarize(ar, ss):
+    """The report's metrics from the (tokens, Stats) results of run_pair."""
+    toks = lambda rs: sum(s.new_tokens for _, s in rs)
+    secs = lambda rs: sum(s.seconds for _, s in rs)
+    passes = lambda rs: sum(s.passes for _, s in rs)
+    accepted = [a for _, s in ss for a in s.accepted]
+    nodes = [n for _, s in ss for n in s.nodes]
+    ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
+    cr = passes(ar) / passes(ss)
+    match = [a == b for (a, _), (b, _) in zip(ar, ss)]
+    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+                  for i, ((a, _), (b, _)) in enumerate(zip(ar, ss)) if a != b), None)
+    hist = {}
+    for a in accepted:
+        hist[a] = hist.get(a, 0) + 1
+    return dict(ar_tokens_per_s=ar_tps, ss_tokens_per_s=ss_tps, speedup=ss_tps / ar_tps,
+                mean_accepted=sum(accepted) / max(1, len(accepted)), call_reduction=cr,
+                efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match), first_divergence=first,
+                ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
+                accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss),
+                mean_nodes=sum(nodes) / max(1, len(nodes)))
+
+
+@torch.inference_mode()
+def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
+    """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
+    verify, accept: `speculative_step`) divided by that of one autoregressive step
+    (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
+    `steps` steps of each, interleaved. Every step starts from the same cache length, root
+    and drafts. Returns {n: ratio} and the median AR step in ms."""
+    cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+    T, L = cfg.block_size, len(context)
+    trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
+    cache = KVCache(cfg, T + max(sizes) * (1 + cfg.n_streams), device=dev, dtype=dtype)
+    sampler = Sampler(0.0, None, None, None, dev)
+    logits, q = _prefill(model, list(context), cache, with_streams=True)
+    root, positions = sampler.pick(logits[None]), torch.arange(T, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def ar():
+        ar_step(model, cache, root, sampler, positions).item()
+
+    steps_of = {"ar": ar, **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
+                             for n, t in trees.items()}}
+    times = {k: [] for k in steps_of}
+    for i in range(warmup + steps):
+        keys = list(steps_of)
+        for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+            sync()
+            t0 = time.perf_counter()
+            steps_of[k]()
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+            cache.length = L
+    ar_s = statistics.median(times["ar"])
+    return {n: statistics.median(times[n]) / ar_s for n in sizes}, 1000 * ar_s
