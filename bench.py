@@ -17,6 +17,7 @@ the same prompts, interleaved, after a warm-up, so that drift of the machine hit
 """
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from ss_mini.checkpoint import load_model
-from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
+from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.measure import pass_cost, run_interleaved, run_pair, summarize
@@ -48,8 +49,8 @@ config = dict(
     sweep=False,
     profile=False,
     train_steps=0,  # > 0: also time this many training steps with and without streams
-    device="cpu",
-    dtype="float32",
+    device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     threads=0,  # torch CPU threads; 0 = torch's default
     json=False,
     prune_threshold=0.0,  # > 0: also run with parallel tree pruning (a model with a pruning adapter)
@@ -57,6 +58,10 @@ config = dict(
     pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
     shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
 )
+RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
+             temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
+             train_steps=at_least(0), threads=at_least(0), prune_threshold=in_range(0.0, 1.0),
+             prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"))
 
 
 def validation_prompts(ckpt, tok, n, length):
@@ -106,7 +111,16 @@ def tree_search(model, calibration, cfg, kw, log):
         log(f"{spec:>8} {n:>5} {r['ar_tokens_per_s']:9.0f} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
             f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}"
             + ("  <- best" if row is best else ""))
+    ar = [r["ar_tokens_per_s"] for _, _, r in rows]
+    if max(ar) > 2 * min(ar):
+        unreliable(f"the autoregressive baseline ran at {min(ar):.0f} to {max(ar):.0f} tokens/s across the rows of "
+                   "the tree search")
     return best[0]
+
+
+def unreliable(what):
+    print(f"warning: {what}: another process is probably competing for the cores, so these measurements are "
+          "unreliable; rerun on an idle machine", file=sys.stderr, flush=True)
 
 
 def train_bench(ckpt, device, steps, log):
@@ -259,6 +273,9 @@ def step_costs(cfg, device, dtype, log):
 
 def main(argv=None):
     cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost"))
+    check(cfg, RULES)
+    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
+        make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
@@ -278,6 +295,8 @@ def main(argv=None):
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
+    if cfg["tree"] != "auto":  # a tree that does not fit the model is an error before any work
+        make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     kw = decode_kwargs(cfg, tok)
     base, draft = model.param_counts()
@@ -302,6 +321,8 @@ def main(argv=None):
     log(f"  speedup {r['speedup']:.2f}x | mean accepted tokens per pass (root included) {r['mean_accepted']:.2f} | "
         f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
     log(f"  accepted-length histogram: {r['accepted_histogram']}")
+    if r["efficiency"] > 1:
+        unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
     if cfg["temperature"] == 0:
         div = r["first_divergence"]
         log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts"
@@ -335,3 +356,5 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("\ninterrupted")

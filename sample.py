@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from ss_mini.checkpoint import load_model
-from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
+from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.tree import make_tree
 
@@ -29,14 +29,17 @@ config = dict(
     top_k=0,  # 0 = off
     top_p=1.0,  # 1.0 = off
     seed=1337,
-    device="cpu",  # auto | cpu | cuda | mps
-    dtype="float32",
+    device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     speculative=False,
     tree="1,1,1",  # top-k per depth (the paper's Cartesian tree), or nN for a budget of N nodes
     prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
 )
+RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0), top_k=at_least(0),
+             top_p=in_range(0.0, 1.0, lo_open=True), prune_threshold=in_range(0.0, 1.0), threads=at_least(0),
+             color=(lambda v: v.lower() in ("auto", "true", "false", "1", "0", "yes", "no"), "auto, True or False"))
 COLORS = ("\033[34m", "\033[33m")  # blue, yellow
 RESET = "\033[0m"
 
@@ -52,12 +55,16 @@ def read_prompt(start):
 
 def main(argv=None):
     cfg = parse_args(config, argv, __doc__, flags=("speculative",))
+    check(cfg, RULES)
+    if not cfg["speculative"]:
+        warn_unused(cfg, config, ("tree", "prune_threshold", "color"), "without --speculative")
+    text = read_prompt(cfg["start"])
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    text = read_prompt(cfg["start"])
+    print(f"{cfg['out_dir']} on {device} ({dtype})", file=sys.stderr)
     if text:
         prompt = tok.encode(text)
     else:
@@ -67,10 +74,9 @@ def main(argv=None):
     if speculative and model.config.n_drafts == 0:
         raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has n_streams=0; "
                          "train one with python train.py --n_streams=3, or sample without --speculative")
-    tree = make_tree(cfg["tree"], model.config.n_drafts) if speculative else None
-    if cfg["color"].lower() not in ("auto", "true", "false"):
-        raise UsageError(f"--color takes auto, True or False, not {cfg['color']!r}")
-    color = sys.stdout.isatty() if cfg["color"] == "auto" else cfg["color"].lower() == "true"
+    tree = make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype)) \
+        if speculative else None
+    color = sys.stdout.isatty() if cfg["color"].lower() == "auto" else cfg["color"].lower() in ("true", "1", "yes")
     for i in range(cfg["num_samples"]):
         sys.stdout.write(tok.decode(prompt))
         chunk_no = [0]
@@ -103,3 +109,5 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("\ninterrupted")

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ss_mini.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
-from ss_mini.cli import UsageError, parse_args, pick_device, pick_dtype
+from ss_mini.pretrained import find_gpt2_files
+from ss_mini.cli import UsageError, at_least, check, in_range, one_of, parse_args, pick_device, pick_dtype
 from ss_mini.data import Tokenizer, load_split, prepare
 from ss_mini.model import GPT, GPTConfig
 
@@ -30,7 +31,8 @@ config = dict(
     eval_interval=400,
     eval_iters=20,
     log_interval=25,
-    always_save_checkpoint=False,  # else only when val loss improves
+    always_save_checkpoint=False,  # else only when val loss improves on the checkpoint's
+    overwrite=False,  # a fresh run (init_from != resume) may replace out_dir/ckpt.pt
     # model (GPTConfig): the default trains in ~7.5 minutes on 2 CPU cores and decodes fast (see README)
     n_layer=4,
     n_head=4,
@@ -62,6 +64,18 @@ config = dict(
     compile=False,
     seed=1337,
 )
+RULES = dict(
+    eval_interval=at_least(1), eval_iters=at_least(1), log_interval=at_least(1), n_layer=at_least(1),
+    n_head=at_least(1), n_embd=at_least(1), block_size=at_least(2), dropout=in_range(0.0, 1.0, hi_open=True),
+    n_streams=at_least(0), n_msa_layers=at_least(0), stream_loss_weight=at_least(0.0),
+    stream_adapter_rank=at_least(0), n_medusa_heads=at_least(0), prune_adapter_rank=at_least(0),
+    batch_size=at_least(1), gradient_accumulation_steps=at_least(1), learning_rate=in_range(0.0, 1.0, lo_open=True),
+    max_iters=at_least(1), weight_decay=at_least(0.0), beta1=in_range(0.0, 1.0, hi_open=True),
+    beta2=in_range(0.0, 1.0, hi_open=True), grad_clip=at_least(0.0), warmup_iters=at_least(0),
+    min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"),
+    init_from=(lambda v: v in ("scratch", "resume") or v.startswith("gpt2:") or os.path.exists(v),
+               "scratch, resume, gpt2:DIR or the path of a checkpoint that exists"),
+)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
               "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
 STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads",
@@ -75,8 +89,47 @@ def get_lr(it, cfg):
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
 
 
+def check_config(cfg, given):
+    """Every flag against its meaning, and the run against what is on disk, before any work:
+    a fresh run never replaces a checkpoint unless --overwrite=True says so; a resumed run
+    takes its data, tokenizer and model from the checkpoint, and a flag that contradicts
+    them is an error. Returns the checkpoint to resume from, or None."""
+    check(cfg, RULES)
+    if cfg["min_lr"] > cfg["learning_rate"]:
+        raise UsageError(f"--min_lr={cfg['min_lr']} is above --learning_rate={cfg['learning_rate']}")
+    if cfg["block_size"] < max(cfg["n_streams"], cfg["n_medusa_heads"]) + 2:
+        raise UsageError(f"--block_size={cfg['block_size']} leaves stream {max(cfg['n_streams'], cfg['n_medusa_heads'])} "
+                         "no target: use a block_size of at least the number of streams + 2")
+    if cfg["init_from"] == "scratch":
+        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})  # its own checks (heads divide the width, Ns <= layers, ...)
+    if cfg["init_from"].startswith("gpt2:"):
+        if cfg["tokenizer"] != "gpt2":
+            raise UsageError("--init_from=gpt2:... needs --tokenizer=gpt2 (GPT-2's own BPE)")
+        find_gpt2_files(cfg["init_from"][5:])  # the weights exist before a dataset is tokenised
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    if cfg["init_from"] != "resume":
+        if os.path.exists(ckpt_path) and not cfg["overwrite"]:
+            raise UsageError(f"{ckpt_path} exists: continue it with --init_from=resume, write elsewhere with "
+                             "--out_dir=DIR, or replace it with --overwrite=True")
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    saved = {**ckpt["config"], **ckpt["model_args"]}
+    for key in ("dataset", "tokenizer") + MODEL_KEYS:
+        if key in given and cfg[key] != saved.get(key, cfg[key]):
+            raise UsageError(f"--{key}={cfg[key]!r} contradicts {ckpt_path}, trained with {key}={saved[key]!r}: "
+                             "drop the flag to resume, or train a new model in another --out_dir")
+        cfg[key] = saved.get(key, cfg[key])
+    if "data_dir" not in given:
+        cfg["data_dir"] = ckpt["config"].get("data_dir", cfg["data_dir"])
+    if ckpt["iter_num"] >= cfg["max_iters"]:
+        raise UsageError(f"{ckpt_path} is at iteration {ckpt['iter_num']}: give --max_iters above it to train on")
+    return ckpt
+
+
 def main(argv=None):
-    cfg = parse_args(config, argv, __doc__)
+    given = set()
+    cfg = parse_args(config, argv, __doc__, given=given)
+    resume_ckpt = check_config(cfg, given)
     ddp = int(os.environ.get("RANK", -1)) != -1  # set by torchrun
     if ddp:
         import torch.distributed as dist
@@ -114,27 +167,23 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- model
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    iter_num, best_val, ckpt = 0, float("inf"), None
+    iter_num, ckpt_val, ckpt = 0, float("inf"), None  # ckpt_val: val loss of the weights in ckpt_path
     if cfg["init_from"] == "scratch":
         margs = {k: cfg[k] for k in MODEL_KEYS}
         model = GPT(GPTConfig(**margs, vocab_size=tokenizer.vocab_size))
     elif cfg["init_from"].startswith("gpt2:"):
-        if cfg["tokenizer"] != "gpt2":
-            raise UsageError("--init_from=gpt2:... needs --tokenizer=gpt2 (GPT-2's own BPE)")
         model = GPT.from_pretrained(cfg["init_from"][5:], **{k: cfg[k] for k in STREAM_KEYS})
         model.crop_block_size(min(cfg["block_size"], model.config.block_size))  # short contexts train faster
         cfg.update({k: getattr(model.config, k) for k in MODEL_KEYS})
     else:
         resume = cfg["init_from"] == "resume"
-        ckpt = load_checkpoint(ckpt_path if resume else cfg["init_from"])
+        ckpt = resume_ckpt if resume else load_checkpoint(cfg["init_from"])
         margs = dict(ckpt["model_args"])
-        if resume:
-            cfg.update({k: margs[k] for k in MODEL_KEYS})
-        else:  # fine-tune: the architecture is the checkpoint's, the streams are this run's
+        if ckpt["tokenizer"] != tokenizer.meta():
+            raise UsageError(f"{cfg['init_from']} was trained with another vocabulary than {cfg['dataset']} "
+                             f"({cfg['tokenizer']}) has now; train on its own dataset, or use --tokenizer=gpt2")
+        if not resume:  # fine-tune: the architecture is the checkpoint's, the streams are this run's
             margs.update({k: cfg[k] for k in STREAM_KEYS})
-            if ckpt["tokenizer"] != tokenizer.meta():
-                raise UsageError(f"{cfg['init_from']} was trained with another vocabulary than {cfg['dataset']} "
-                                 f"({cfg['tokenizer']}); fine-tune on its own dataset or use --tokenizer=gpt2")
             cfg.update({k: margs[k] for k in MODEL_KEYS})
         model = GPT(model_config(margs))
         ours = model.state_dict()
@@ -147,7 +196,7 @@ def main(argv=None):
         if any(k.startswith("medusa_heads.") for k in missing):
             model.init_medusa_heads()  # new heads start from the loaded base head
         if resume:
-            iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+            iter_num, ckpt_val = ckpt["iter_num"], ckpt.get("val_loss", ckpt.get("best_val_loss"))
     if cfg["freeze_base"]:
         if not model.config.n_drafts:
             raise UsageError("--freeze_base=True trains only the drafter: give the model streams (--n_streams=3) "
@@ -207,51 +256,59 @@ def main(argv=None):
     x, y = get_batch("train")
     t0 = t_start = time.time()
     dt_avg, start_iter = None, iter_num
-    while True:
-        lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
-            losses = estimate_loss()
-            val = losses["val"][0]
-            streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
-            log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
-                + (f"; val per stream: {streams}" if streams else ""))
-            if master and iter_num > start_iter and (val < best_val or cfg["always_save_checkpoint"]
-                                                     or iter_num == cfg["max_iters"]):
-                best_val = min(best_val, val)
-                save_checkpoint(make_checkpoint(
-                    raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, best_val_loss=best_val,
-                    val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(),
-                    train_seconds=time.time() - t_start), ckpt_path)
-                log(f"saved {ckpt_path}")
-        if iter_num >= cfg["max_iters"]:
-            break
-        for micro in range(cfg["gradient_accumulation_steps"]):
-            if ddp:  # sync gradients only on the last micro-step
-                model.require_backward_grad_sync = micro == cfg["gradient_accumulation_steps"] - 1
-            with autocast:
-                _, _, losses = model(x, y)
-                loss = losses["loss"] / cfg["gradient_accumulation_steps"]
-            x, y = get_batch("train")  # fetch the next batch while the backward runs on GPU
-            scaler.scale(loss).backward()
-        if cfg["grad_clip"]:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        iter_num += 1
-        t1 = time.time()
-        dt, t0 = t1 - t0, t1
-        # the first iterations include warm-up (and compilation): the average starts after them
-        dt_avg = dt if dt_avg is None or iter_num <= start_iter + 2 else 0.9 * dt_avg + 0.1 * dt
-        if iter_num % cfg["log_interval"] == 0:
-            left = dt_avg * (cfg["max_iters"] - iter_num)
-            log(f"iter {iter_num}: loss {loss.item() * cfg['gradient_accumulation_steps']:.4f} (main "
-                f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt * 1000:.0f} ms/iter, "
-                f"{tokens_per_iter / dt_avg:,.0f} tokens/s, {left / 60:.1f} min left")
-    log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min, best val loss {best_val:.4f}")
+    try:
+        while True:
+            lr = get_lr(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
+                losses = estimate_loss()
+                val = losses["val"][0]
+                streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
+                log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
+                    + (f"; val per stream: {streams}" if streams else ""))
+                # a worse model never replaces a better one, unless always_save_checkpoint says so
+                if master and iter_num > start_iter and (val < ckpt_val or cfg["always_save_checkpoint"]):
+                    save_checkpoint(make_checkpoint(
+                        raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val,
+                        val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(),
+                        train_seconds=time.time() - t_start), ckpt_path)
+                    log(f"saved {ckpt_path} (val {val:.4f}" + ("" if val < ckpt_val else
+                        f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
+                    ckpt_val = val
+                elif master and iter_num > start_iter:
+                    log(f"not saved: val {val:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+            if iter_num >= cfg["max_iters"]:
+                break
+            for micro in range(cfg["gradient_accumulation_steps"]):
+                if ddp:  # sync gradients only on the last micro-step
+                    model.require_backward_grad_sync = micro == cfg["gradient_accumulation_steps"] - 1
+                with autocast:
+                    _, _, losses = model(x, y)
+                    loss = losses["loss"] / cfg["gradient_accumulation_steps"]
+                x, y = get_batch("train")  # fetch the next batch while the backward runs on GPU
+                scaler.scale(loss).backward()
+            if cfg["grad_clip"]:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            t1 = time.time()
+            dt, t0 = t1 - t0, t1
+            # the first iterations include warm-up (and compilation): the average starts after them
+            dt_avg = dt if dt_avg is None or iter_num <= start_iter + 2 else 0.9 * dt_avg + 0.1 * dt
+            if iter_num % cfg["log_interval"] == 0:
+                left = dt_avg * (cfg["max_iters"] - iter_num)
+                log(f"iter {iter_num}: loss {loss.item() * cfg['gradient_accumulation_steps']:.4f} (main "
+                    f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt_avg * 1000:.0f} ms/iter and "
+                    f"{tokens_per_iter / dt_avg:,.0f} tokens/s (moving average), {left / 60:.1f} min left")
+    except KeyboardInterrupt:
+        where = (f"the last checkpoint is {ckpt_path} (val {ckpt_val:.4f}); continue with python train.py "
+                 f"--init_from=resume --out_dir={cfg['out_dir']}" if os.path.exists(ckpt_path) else "no checkpoint written")
+        raise SystemExit(f"\ninterrupted at iteration {iter_num}: {where}") from None
+    log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min; {ckpt_path} holds val loss {ckpt_val:.4f}")
     if ddp:
         dist.destroy_process_group()
 
@@ -261,3 +318,5 @@ if __name__ == "__main__":
         main()
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("\ninterrupted before training started; no checkpoint was written or changed")

@@ -29,12 +29,14 @@ def _convert(key, raw, default):
     return raw
 
 
-def parse_args(config, argv=None, doc="", flags=()):
+def parse_args(config, argv=None, doc="", flags=(), given=None):
     """Return a copy of `config` with --key=value overrides applied.
 
     `flags` are keys that may be given bare (`--speculative` means `--speculative=True`).
+    `given`: a set that receives the keys set on the command line.
     """
     argv = sys.argv[1:] if argv is None else argv
+    given = set() if given is None else given
     cfg = dict(config)
     for arg in argv:
         if arg in ("-h", "--help"):
@@ -53,11 +55,40 @@ def parse_args(config, argv=None, doc="", flags=()):
                 raise UsageError(f"--{key} needs a value: --{key}=VALUE (default {cfg[key]!r})")
             raw = "True"
         cfg[key] = _convert(key, raw, config[key])
+        given.add(key)
     return cfg
 
 
+def at_least(lo):
+    return lambda v: v >= lo, f"at least {lo}"
+
+
+def in_range(lo, hi, lo_open=False, hi_open=False):
+    ok = lambda v: (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    return ok, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def one_of(*choices):
+    return lambda v: v in choices, "one of " + ", ".join(map(str, choices))
+
+
+def check(cfg, rules):
+    """Check every value against its meaning before any work starts: rules maps a key to
+    (predicate, what it must be); the first violation is a one-line UsageError."""
+    for key, (ok, must) in rules.items():
+        if not ok(cfg[key]):
+            raise UsageError(f"--{key}={cfg[key]!r}: must be {must} (see --help)")
+
+
+def warn_unused(cfg, defaults, keys, condition):
+    """Flags that do nothing in this combination say so, on stderr."""
+    for key in keys:
+        if cfg[key] != defaults[key]:
+            print(f"warning: --{key} has no effect {condition}", file=sys.stderr)
+
+
 def pick_device(name):
-    """'auto' = cuda, then mps, then cpu; anything else is checked to exist."""
+    """'auto' = cuda, then mps, then cpu (every script's default); anything else is checked to exist."""
     if name == "auto":
         if torch.cuda.is_available():
             return "cuda"

@@ -26,6 +26,7 @@ with block_size prefix columns, so a step with L cached tokens takes a view.
 """
 import heapq
 import itertools
+import math
 
 import torch
 
@@ -91,6 +92,9 @@ class CartesianTree(_Tree):
         self.ks = tuple(int(k) for k in ks)
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"tree {ks!r}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
+        n = sum(math.prod(self.ks[:j]) for j in range(len(self.ks) + 1))
+        if n > MAX_NODES:
+            raise ValueError(f"tree {self} has {n} nodes; use at most {MAX_NODES} (tens are typical)")
         paths = [()]  # nodes in breadth-first order, each with its rank at every depth of its path
         for k in self.ks:
             paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]

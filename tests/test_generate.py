@@ -123,25 +123,76 @@ def _chi_square_ok(counts, probs, n):
     return stat < crit, stat, crit
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)])
-def test_sampling_is_lossless(kw):
+SAMPLING = [dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)]
+
+
+def _sample_counts(generate, n):
+    counts, accepted = {}, []
+    for i in range(n):
+        out, stats = generate(i)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        accepted += stats.accepted
+    return counts, accepted
+
+
+@pytest.mark.parametrize("spec", ["1,1", "3,2", "n6"])  # a chain, several children per node, a budget tree
+@pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
+def test_speculative_sampling_is_lossless(spec, kw):
+    """The first tokens follow the exact distribution (by enumeration) for every tree and
+    sampling setting, drafts are accepted and rejected, and impossible tokens never appear."""
     model = random_model(seed=1, std=0.5, vocab_size=4, n_streams=2, block_size=16)
     prompt, k, n = [1, 2], 3, 1000
     probs = _exact_first_tokens(model, prompt, k, **kw)
-    tree = make_tree("2,2", 2)
-    counts, accepted = {}, []
-    for i in range(n):
-        out, stats = generate_speculative(model, prompt, k, tree, seed=i, **kw)
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-        accepted += stats.accepted
+    tree = make_tree(spec, 2)
+    counts, accepted = _sample_counts(lambda i: generate_speculative(model, prompt, k, tree, seed=i, **kw), n)
+    assert not [seq for seq in counts if probs[seq] == 0], "a token of probability 0 was emitted"
     ok, stat, crit = _chi_square_ok(counts, probs, n)
     assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
-    assert max(accepted) > 1  # drafts were accepted, so the test exercised the tree walk
-    counts_ar = {}
-    for i in range(n):
-        out, _ = generate_ar(model, prompt, k, seed=i, **kw)
-        counts_ar[tuple(out)] = counts_ar.get(tuple(out), 0) + 1
-    assert _chi_square_ok(counts_ar, probs, n)[0]
+    # both paths ran: drafts were accepted, and some pass stopped before the tree's depth (all children rejected)
+    assert max(accepted) > 1 and min(accepted) < 3
+
+
+@pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
+def test_ar_sampling_is_exact(kw):
+    model = random_model(seed=1, std=0.5, vocab_size=4, n_streams=2, block_size=16)
+    probs = _exact_first_tokens(model, [1, 2], 3, **kw)
+    counts, _ = _sample_counts(lambda i: generate_ar(model, [1, 2], 3, seed=i, **kw), 1000)
+    assert not [seq for seq in counts if probs[seq] == 0] and _chi_square_ok(counts, probs, 1000)[0]
+
+
+def _constant(V=5, logits=(2.0, 1.5, 1.0, 0.5, 0.0)):
+    """A model whose every row, main or stream, gives the same logits whatever the context."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=64, vocab_size=V, n_streams=3, n_msa_layers=1))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()  # ln_f(x) = its bias, for every row
+        model.transformer.ln_f.bias.copy_(torch.eye(8)[0])
+        model.transformer.wte.weight.zero_()
+        model.transformer.wte.weight[:, 0] = torch.tensor(logits)
+    return model.double().eval()
+
+
+def test_drafts_from_the_target_itself_are_always_accepted():
+    """q = p exactly: every draft is accepted, at any temperature."""
+    model = _constant()
+    for kw in SAMPLING:
+        out, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3), seed=0, **kw)
+        assert len(out) == 40 and set(stats.accepted[:-1]) == {4}, stats.accepted  # root + 3 drafts every pass
+
+
+def test_drafts_outside_the_target_support_are_always_rejected(monkeypatch):
+    """q and p with disjoint supports: every draft is rejected and the output is still p."""
+    model = _constant(logits=(2.0, 1.5, -1.0, -1.0, -1.0))
+    kw = dict(temperature=1.0, top_k=2)  # p lives on tokens 0 and 1
+    draft_logits = model.draft_logits
+    monkeypatch.setattr(model, "draft_logits", lambda h: torch.full_like(draft_logits(h), -30.0).index_fill_(
+        -1, torch.tensor([2, 3]), 5.0))  # q lives on tokens 2 and 3 (after top_k=2 as well)
+    probs = {seq: 1.0 for seq in itertools.product(range(5), repeat=2)}
+    p = target_probs(torch.tensor([2.0, 1.5, -1.0, -1.0, -1.0], dtype=torch.float64), **kw)
+    probs = {seq: p[seq[0]].item() * p[seq[1]].item() for seq in probs}
+    counts, accepted = _sample_counts(
+        lambda i: generate_speculative(model, [0, 1], 2, make_tree("2,2", 3), seed=i, **kw), 600)
+    assert set(accepted) == {1}
+    assert _chi_square_ok(counts, probs, 600)[0]
 
 
 def test_target_probs_top_k_top_p():

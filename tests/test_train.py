@@ -169,3 +169,76 @@ def test_bench_json(tiny_ckpt):
                 "match_rate", "tree", "draft_params", "base_params", "device"):
         assert key in doc
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
+
+
+BAD = [  # (script, flags, words the one-line error must contain)
+    ("train.py", ["--batch_size=0"], "--batch_size"), ("train.py", ["--block_size=0"], "--block_size"),
+    ("train.py", ["--block_size=1"], "--block_size"), ("train.py", ["--eval_interval=0"], "--eval_interval"),
+    ("train.py", ["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps"),
+    ("train.py", ["--eval_iters=0"], "--eval_iters"), ("train.py", ["--max_iters=0"], "--max_iters"),
+    ("train.py", ["--learning_rate=-1"], "--learning_rate"), ("train.py", ["--dropout=1"], "--dropout"),
+    ("train.py", ["--beta2=1.5"], "--beta2"), ("train.py", ["--min_lr=0.5"], "--min_lr"),
+    ("train.py", ["--tokenizer=bpe"], "--tokenizer"), ("train.py", ["--init_from=no/such.pt"], "--init_from"),
+    ("train.py", ["--n_msa_layers=9"], "n_msa_layers"), ("train.py", ["--n_embd=10", "--n_head=3"], "divisible"),
+    ("train.py", ["--init_from=gpt2:no/such/dir", "--tokenizer=gpt2"], "no GPT-2 weights"),
+    ("sample.py", ["--temperature=-1"], "--temperature"), ("sample.py", ["--top_p=0"], "--top_p"),
+    ("sample.py", ["--top_p=1.5"], "--top_p"), ("sample.py", ["--num_samples=0"], "--num_samples"),
+    ("sample.py", ["--max_new_tokens=0"], "--max_new_tokens"), ("sample.py", ["--top_k=-1"], "--top_k"),
+    ("sample.py", ["--color=maybe"], "--color"), ("sample.py", ["--start=FILE:no/such.txt"], "no such file"),
+    ("sample.py", ["--speculative", "--tree=250"], "vocabulary"),
+    ("sample.py", ["--speculative", "--tree=n100000"], "at most"),
+    ("sample.py", ["--speculative", "--tree=x"], "--tree"),
+    ("sample.py", ["--speculative", "--temperature=0.8", "--prune_threshold=0.1"], "pruning"),
+    ("bench.py", ["--num_prompts=0"], "--num_prompts"), ("bench.py", ["--prompt_tokens=0"], "--prompt_tokens"),
+    ("bench.py", ["--top_p=2"], "--top_p"), ("bench.py", ["--tree=abc"], "--tree"),
+    ("bench.py", ["--prompts=no/such.jsonl"], "--prompts"), ("bench.py", ["--shape=1,2", "--pass_cost"], "--shape"),
+]
+
+
+@pytest.mark.parametrize("script,flags,words", BAD, ids=[" ".join([s] + f) for s, f, _ in BAD])
+def test_bad_input_is_one_clear_line(script, flags, words, tiny_ckpt, tmp_path):
+    """Every bad value is refused before any work, with the flag named; nothing is written."""
+    import importlib
+    from ss_mini.cli import UsageError
+    main = importlib.import_module(script[:-3]).main
+    out = [f"--out_dir={tiny_ckpt}"] if script != "train.py" else [f"--out_dir={tmp_path}/new",
+                                                                    f"--data_dir={tmp_path}/data"]
+    with pytest.raises((UsageError, ValueError, FileNotFoundError)) as e:
+        main(out + flags)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "new").exists() and not (tmp_path / "data").exists()
+
+
+def test_scripts_print_one_line_errors_and_warn_about_unused_flags(tiny_ckpt):
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--top_p=0")
+    assert r.returncode == 1 and r.stderr.strip() == "error: --top_p=0.0: must be in (0.0, 1.0] (see --help)"
+    r = run("sample.py", f"--out_dir={tiny_ckpt}", "--max_new_tokens=3", "--tree=3,1", "--color=False")
+    assert r.returncode == 0 and "--tree has no effect without --speculative" in r.stderr
+    assert "--color has no effect" in r.stderr
+
+
+def test_checkpoints_are_never_lost(tmp_path):
+    """A fresh run refuses to replace a checkpoint; a worse model never replaces a better one
+    (unless always_save_checkpoint); resume takes data and model from the checkpoint."""
+    out, data = tmp_path / "out", tmp_path / "data"
+    common = [f"--out_dir={out}", f"--data_dir={data}", *TINY]
+    r = run("train.py", *common, "--max_iters=40", "--eval_interval=20", "--learning_rate=3e-3")
+    assert r.returncode == 0, r.stderr
+    first = (out / "ckpt.pt").read_bytes()
+    r = run("train.py", *common, "--max_iters=4")  # a fresh run into the same out_dir
+    assert r.returncode == 1 and "--init_from=resume" in r.stderr and "--overwrite=True" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and (out / "ckpt.pt").read_bytes() == first
+    r = run("train.py", f"--out_dir={out}", "--init_from=resume", "--n_layer=3", "--max_iters=60")
+    assert r.returncode == 1 and "contradicts" in r.stderr and (out / "ckpt.pt").read_bytes() == first
+    # resume with nothing but the out_dir: data, tokenizer and model come from the checkpoint; a learning
+    # rate far too high makes the model worse, and the better checkpoint stays
+    r = run("train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=50", "--eval_interval=10",
+            "--learning_rate=0.5", "--warmup_iters=0", "--min_lr=0.5", "--eval_iters=4")
+    assert r.returncode == 0, r.stderr
+    assert "not saved" in r.stdout and (out / "ckpt.pt").read_bytes() == first
+    r = run("train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=50", "--eval_interval=10",
+            "--learning_rate=0.5", "--warmup_iters=0", "--min_lr=0.5", "--eval_iters=4", "--always_save_checkpoint=True")
+    assert r.returncode == 0 and "always_save_checkpoint=True" in r.stdout
+    ckpt = load_checkpoint(str(out))
+    last_val = float(r.stdout.split("step 50:")[1].split("val ")[1].split(" ")[0])
+    assert ckpt["iter_num"] == 50 and abs(ckpt["val_loss"] - last_val) < 1e-4  # the val loss of its own weights
