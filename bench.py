@@ -231,13 +231,14 @@ def profile(model, prompts, tree, kw, log):
     prof.disable()
     st = pstats.Stats(prof)
     total = sum(v[3] for k, v in st.stats.items() if k[2] == "generate_speculative")
-    parts = {"forward passes, prefill included": ("forward_nodes",), "tree draft": ("draft",),
-             "masks": ("tree_mask", "stream_mask", "at"), "target pick (argmax/sample)": ("__call__",),
-             "verify walk": ("_walk",), "accept (cache compaction)": ("accept",)}
+    parts = {"forward passes, prefill included": ("forward_nodes", "pruned_pass"),
+             "tree draft (candidates, shape, tokens)": ("draft", "shape", "tokens"),
+             "masks (new tree shapes only)": ("attention_mask",), "verify (target tokens)": ("verify", "pick"),
+             "verify walk": ("walk",), "accept (cache compaction)": ("accept",), "next drafts": ("draft_logits",)}
     log(f"profile of {len(prompts)} speculative generations, {total:.2f} s in generate_speculative:")
     for label, names in parts.items():
         t = sum(v[3] for (f, _, fn), v in st.stats.items() if fn in names and "ss_mini" in f)
-        log(f"  {label:<34} {t:7.3f} s  {100 * t / total:5.1f}%")
+        log(f"  {label:<40} {t:7.3f} s  {100 * t / total:5.1f}%")
 
 
 def step_costs(cfg, device, dtype, log):
