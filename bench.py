@@ -6,7 +6,9 @@
     python bench.py --sweep                # tokens/s over tree shapes and budgets, best marked
     python bench.py --profile              # where a speculative step spends its time
     python bench.py --train_steps=10       # also ms/iter of training with and without streams
-    python bench.py --json                 # one JSON document as the last line
+    python bench.py --json                 # one JSON document on stdout (the report goes to stderr)
+    python bench.py --pass_cost            # what one speculative step costs, in autoregressive steps
+    python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
 
 Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
@@ -29,7 +31,7 @@ import torch
 from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.measure import pass_cost, run_interleaved, run_pair, summarize
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import make_tree
@@ -57,6 +59,7 @@ config = dict(
     compare="",  # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
     pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
     shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
+    compile=False,  # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
 )
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
@@ -269,7 +272,13 @@ def step_costs(cfg, device, dtype, log):
     log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of n nodes, "
         "in autoregressive steps:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
-    return {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+    result = {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+    if cfg["compile"]:
+        costs, ar_ms = pass_cost(compiled(model), context)
+        log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in compiled autoregressive "
+            "steps:\n  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
+        result["compiled"] = {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms}
+    return result
 
 
 def main(argv=None):
@@ -313,7 +322,14 @@ def main(argv=None):
     tree = make_tree(spec, model.config.n_drafts)
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
-    r = summarize(*run_pair(model, prompts, tree, kw))
+    decoders = [lambda p: generate_ar(model, p, **kw), lambda p: generate_speculative(model, p, tree=tree, **kw)]
+    if cfg["compile"]:
+        fast, t0 = compiled(model), time.perf_counter()
+        run_pair(fast, calibration, tree, kw)  # compiles each kind of pass (prefill, one token, tree)
+        log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
+        decoders += [lambda p: generate_ar(fast, p, **kw), lambda p: generate_speculative(fast, p, tree=tree, **kw)]
+    ar, ss, *fast_runs = run_interleaved(prompts, decoders)  # eager (and compiled) decoders, interleaved
+    r = summarize(ar, ss)
     mode = "greedy" if cfg["temperature"] == 0 else f"sampling, temperature {cfg['temperature']}"
     log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {mode}, tree {tree} ({len(tree)} nodes):")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
@@ -329,6 +345,14 @@ def main(argv=None):
         log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts"
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
+    if cfg["compile"]:
+        c = summarize(*fast_runs)
+        log(f"  with torch.compile: autoregressive {c['ar_tokens_per_s']:.1f} tokens/s "
+            f"({c['ar_tokens_per_s'] / r['ar_tokens_per_s']:.2f}x eager), speculative {c['ss_tokens_per_s']:.1f} "
+            f"({c['ss_tokens_per_s'] / r['ss_tokens_per_s']:.2f}x eager): speedup {c['speedup']:.2f}x over compiled "
+            f"autoregressive, {c['ss_tokens_per_s'] / r['ar_tokens_per_s']:.2f}x over eager"
+            + (f"; greedy outputs identical on {100 * c['match_rate']:.0f}% of prompts" if cfg["temperature"] == 0 else ""))
+        result["compiled"] = c
     if cfg["prune_threshold"]:
         g, thr = model.config.n_streams, cfg["prune_threshold"]
         ar, ss, sp = run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),

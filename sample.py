@@ -17,7 +17,7 @@ import torch
 
 from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.tree import make_tree
 
 config = dict(
@@ -36,6 +36,7 @@ config = dict(
     prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
+    compile=False,  # compile the forward pass (torch.compile): the first sample pays about a minute on a CPU
 )
 RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0), top_k=at_least(0),
              top_p=in_range(0.0, 1.0, lo_open=True), prune_threshold=in_range(0.0, 1.0), threads=at_least(0),
@@ -64,7 +65,9 @@ def main(argv=None):
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    print(f"{cfg['out_dir']} on {device} ({dtype})", file=sys.stderr)
+    print(f"{cfg['out_dir']} on {device} ({dtype})" + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
+    if cfg["compile"]:
+        model = compiled(model)
     if text:
         prompt = tok.encode(text)
     else:

@@ -1,7 +1,8 @@
 """The two decoders: KV-cached autoregressive (`generate_ar`) and Speculative Streaming
 (`generate_speculative`). Both return (new tokens, Stats) and call `on_tokens` with each
 pass's tokens as soon as they are final. Each is a loop around one step function
-(`ar_step`, `speculative_step`), which bench.py also times on its own.
+(`ar_step`, `speculative_step`), which bench.py also times on its own; `compiled(model)`
+gives both the same model with its forward pass compiled.
 
 One speculative step (paper §3.2), `speculative_step`:
   1. tree draft: root r (the next token, already decided) plus candidates ranked per
@@ -22,6 +23,7 @@ the cache is full they rebuild it from the last block_size // 2 tokens (one pref
 pass) and go on; the tree is cut so that no position reaches block_size, so both
 rebuild at the same token and greedy outputs stay identical.
 """
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -135,6 +137,17 @@ class Sampler:
             p = torch.where(reject & (mass > 0), residual / mass.clamp_min(1e-30), p)
             q = torch.where(reject, q.scatter(1, x, 0.0) / (1 - qx).clamp_min(1e-30)[:, None], q)
         return torch.where(done, ys, _sample(p, self.gen))
+
+
+def compiled(model):
+    """The same model (shared weights) with its forward pass compiled by torch.compile, for
+    both decoders. Dynamic shapes: the cache length and the node count vary from pass to
+    pass, so after the first few passes one graph per kind of pass (prefill, one token,
+    tree) serves them all. The first generations pay the compilation (about a minute on
+    a CPU); `bench.py --compile=True` measures it against eager in the same run."""
+    fast = copy.copy(model)  # a second view: the eager model stays usable beside it
+    fast.forward_nodes = torch.compile(model.forward_nodes, dynamic=True)
+    return fast
 
 
 def _prepare(model, prompt, max_new_tokens):

@@ -7,7 +7,7 @@ import torch
 from conftest import random_model
 
 from ss_mini.checkpoint import load_model
-from ss_mini.generate import generate_ar, generate_speculative, target_probs
+from ss_mini.generate import compiled, generate_ar, generate_speculative, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree
 
@@ -41,6 +41,19 @@ def test_greedy_identity_trained_model(tiny_ckpt):
             assert ss == ar
             taus.append(stats.mean_accepted)
         assert sum(taus) / len(taus) > 1.2  # the trained streams do draft something
+
+
+def test_compiled_decoders_match_eager():
+    """--compile=True: the compiled forward gives both decoders the outputs of the eager one,
+    across cache lengths, tree sizes and a sliding-window rebuild (dynamic shapes)."""
+    model = random_model(seed=1, dtype=torch.float32, std=0.4, n_layer=2)
+    fast = compiled(model)
+    for spec, prompt in (("1,1,1", [1, 2, 3]), ("n5", [4] * 9)):
+        tree = make_tree(spec, 3)
+        ar = generate_ar(model, prompt, 40)[0]
+        assert generate_ar(fast, prompt, 40)[0] == ar
+        assert generate_speculative(fast, prompt, 40, tree)[0] == ar
+    assert "forward_nodes" not in vars(model)  # the eager model is untouched
 
 
 def _draft(tree, root, q, max_depth, vocab_size):

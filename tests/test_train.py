@@ -242,3 +242,30 @@ def test_checkpoints_are_never_lost(tmp_path):
     ckpt = load_checkpoint(str(out))
     last_val = float(r.stdout.split("step 50:")[1].split("val ")[1].split(" ")[0])
     assert ckpt["iter_num"] == 50 and abs(ckpt["val_loss"] - last_val) < 1e-4  # the val loss of its own weights
+
+
+def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
+    """Ctrl-C in train.py says where the checkpoint is and how to resume, in one line, and
+    leaves it as it was; in sample.py it prints one line too."""
+    import signal
+    out = tmp_path / "out"
+    common = [f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY]
+    assert run("train.py", *common, "--max_iters=4", "--eval_interval=2").returncode == 0
+    first = (out / "ckpt.pt").read_bytes()
+
+    def interrupt(args, started):
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in p.stdout:  # wait until the work has begun
+            if started(line):
+                break
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        return p.returncode, err.strip().splitlines()
+
+    code, err = interrupt([os.path.join(ROOT, "train.py"), *common, "--init_from=resume", "--max_iters=100000",
+                           "--eval_interval=50000"], lambda line: line.startswith("iter "))
+    assert code == 1 and len(err) == 1 and "interrupted at iteration" in err[0], err
+    assert "--init_from=resume" in err[0] and (out / "ckpt.pt").read_bytes() == first
+    code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000",
+                           "--num_samples=1000"], lambda line: True)
+    assert code == 1 and err[-1] == "interrupted" and not any("Traceback" in e for e in err), err
