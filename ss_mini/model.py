@@ -160,7 +160,7 @@ class Linear(nn.Linear):
     entries times 2 to 64 rows (a pass over a tree draft) is computed as (W x^T)^T, the same
     product in the orientation that CPU BLAS (MKL here) runs fastest for few rows: at GPT-2
     width 1.3-3.6x faster per layer, and the LM head over 4 rows takes 7 ms instead of 27 ms
-    (README, "Making the step cheap"). One row (a matrix-vector product), training's thousands
+    (README, "What one step costs"). One row (a matrix-vector product), training's thousands
     of rows and small weights gain nothing, and keep F.linear."""
 
     def forward(self, x):
