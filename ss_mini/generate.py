@@ -119,24 +119,27 @@ class Sampler:
 
     def verify(self, logits, q, ranked, shape):
         """The token the target emits at each node (n,): argmax, or speculative sampling
-        (recursive rejection over the node's children; see the class docstring)."""
+        (recursive rejection over the node's children; see the class docstring). All nodes
+        run each round together; a node takes part in round r while it has an (r+1)-th child
+        and has accepted none. (A candidate with q(x) = 0 was not drawn: the exponential race
+        ranks zero-probability tokens last when q's support is smaller than the width.)"""
         if self.gen is None:
             return logits.argmax(-1)
         p, q, cand = self.probs(logits), q[shape.cand_row], ranked[shape.cand_row]  # per node: (n, V), (n, V), (n, W)
         u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
-        ys, done = torch.full_like(shape.n_children, -1), torch.zeros_like(shape.n_children, dtype=torch.bool)
+        tries = shape.tries & (q.gather(1, cand) > 0)  # (n, W): child r exists and was drawn
+        ys, live = torch.full_like(cand[:, :1], -1), torch.ones_like(tries[:, :1])  # live: no child accepted yet
         for r in range(shape.max_children):
             x = cand[:, r:r + 1]
-            px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
-            tried = (shape.n_children > r) & ~done & (qx > 0)  # q(x) = 0: x was not drawn (q had no more support)
-            accept = tried & (u[:, r] * qx < px)
-            ys, done = torch.where(accept, x[:, 0], ys), done | accept
-            reject = (tried & ~accept)[:, None]
-            residual = (p - q).clamp_min(0)
-            mass = residual.sum(-1, keepdim=True)
-            p = torch.where(reject & (mass > 0), residual / mass.clamp_min(1e-30), p)
-            q = torch.where(reject, q.scatter(1, x, 0.0) / (1 - qx).clamp_min(1e-30)[:, None], q)
-        return torch.where(done, ys, _sample(p, self.gen))
+            px, qx = p.gather(1, x), q.gather(1, x)
+            tried = live & tries[:, r:r + 1]
+            accept = tried & (u[:, r:r + 1] * qx < px)  # with probability min(1, p(x) / q(x))
+            ys, live, reject = torch.where(accept, x, ys), live ^ accept, tried ^ accept
+            residual = (p - q).clamp_min_(0)  # rejected: p becomes norm(max(0, p - q)) ...
+            p = torch.where(reject, residual / residual.sum(-1, keepdim=True).clamp_min_(1e-30), p)
+            if r + 1 < shape.max_children:  # ... and x leaves q, for the next child
+                q = torch.where(reject, q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30), q)
+        return torch.where(live, _sample(p, self.gen)[:, None], ys)[:, 0]
 
 
 def compiled(model):

@@ -44,9 +44,10 @@ class TreeShape:
         # node i > 0 takes the token at flat index (depth - 1) * width + rank of the ranked candidates
         self.gather = torch.tensor([(d - 1) * width + r for d, r in zip(self.depths[1:], self.ranks[1:])],
                                    dtype=torch.long, device=device)
-        # for speculative sampling: how many children a node tries, and the depth whose candidates they hold
-        self.n_children = torch.tensor([len(c) for c in self.children], device=device)
+        # for speculative sampling: which children a node tries, and the depth whose candidates they hold
         self.max_children = max(len(c) for c in self.children)
+        self.tries = torch.tensor([[r < len(c) for r in range(width)] for c in self.children],
+                                  device=device)  # (n, width): node u has an (r+1)-th child
         self.cand_row = self.depth.clamp(max=max(n_streams - 1, 0))
         self.block_size = block_size
         self.full_mask = attention_mask(self.parents, n_streams, block_size, dtype=dtype, device=device)
