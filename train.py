@@ -43,6 +43,7 @@ config = dict(
     n_streams=3,
     n_msa_layers=1,
     stream_loss_weight=0.1,
+    stream_targets="data",  # data (x_{t+1+j}, the paper's Eq. 5) | main (distil the main stream at t+j)
     stream_adapter_rank=0,  # > 0: low-rank stream-only adapters in the MSA layers (for freeze_base)
     n_medusa_heads=0,  # the Medusa baseline drafter instead of streams (use with --n_streams=0)
     prune_adapter_rank=0,  # > 0: train a parallel tree pruning adapter of this rank (paper: 8)
@@ -72,14 +73,14 @@ RULES = dict(
     batch_size=at_least(1), gradient_accumulation_steps=at_least(1), learning_rate=in_range(0.0, 1.0, lo_open=True),
     max_iters=at_least(1), weight_decay=at_least(0.0), beta1=in_range(0.0, 1.0, hi_open=True),
     beta2=in_range(0.0, 1.0, hi_open=True), grad_clip=at_least(0.0), warmup_iters=at_least(0),
-    min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"),
+    min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"), stream_targets=one_of("data", "main"),
     init_from=(lambda v: v in ("scratch", "resume") or v.startswith("gpt2:") or os.path.exists(v),
                "scratch, resume, gpt2:DIR or the path of a checkpoint that exists"),
 )
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
-              "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
-STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_adapter_rank", "n_medusa_heads",
-               "prune_adapter_rank", "dropout")  # what fine-tuning may change
+              "stream_loss_weight", "stream_targets", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
+STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_targets", "stream_adapter_rank",
+               "n_medusa_heads", "prune_adapter_rank", "dropout")  # what fine-tuning may change
 
 
 def get_lr(it, cfg):

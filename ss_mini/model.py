@@ -44,6 +44,7 @@ class GPTConfig:
     n_streams: int = 3  # gamma: speculative streams; 0 makes this a plain GPT-2
     n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
+    stream_targets: str = "data"  # what stream j at t learns: "data" (x_{t+1+j}, Eq. 5) or "main" (the main stream at t+j)
     stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
     prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter at layer N - Ns (paper: 8)
@@ -55,6 +56,8 @@ class GPTConfig:
             raise ValueError("choose one drafter: n_streams (Speculative Streaming) or n_medusa_heads (Medusa), not both")
         if self.prune_adapter_rank and not self.n_streams:
             raise ValueError("tree pruning (prune_adapter_rank > 0) acts before stream insertion: it needs n_streams > 0")
+        if self.stream_targets not in ("data", "main"):
+            raise ValueError(f"stream_targets={self.stream_targets!r}: give data or main")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
             raise ValueError(f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} when n_streams > 0")
 
@@ -408,6 +411,13 @@ class GPT(nn.Module):
         (+ alpha CE of the pruning adapter's early logits), 'main', 'streams' (a list) and
         'prune' for logging. targets[b, t] = x_{t+1}; stream j at t is
         trained on targets[b, t+j], and positions past the end are ignored.
+
+        stream_targets="main" trains stream j at t on the main stream's own distribution at
+        t+j instead (soft cross-entropy, no gradient into the main stream): self-distillation,
+        as Medusa-2 and EAGLE train their drafters. Verification accepts a draft when it is
+        the main stream's token, not the data's, so this is the quantity that decides
+        acceptance, and a distribution carries more signal per position than one token.
+        'streams' still reports the CE against the data, so the two kinds compare.
         """
         B, T = idx.shape
         if T > self.config.block_size:
@@ -426,6 +436,9 @@ class GPT(nn.Module):
             tgt = F.pad(targets[:, j:], (0, j), value=-1)  # x_{t+1+j}; -1 past the end
             lj = F.cross_entropy(stream[:, :, j - 1].reshape(-1, V), tgt.reshape(-1), ignore_index=-1)
             stream_losses.append(lj)
+            if self.config.stream_targets == "main":  # the main stream at t+j, for t + j < T
+                teacher = torch.softmax(main[:, j:].detach().float(), dim=-1)
+                lj = -(teacher * F.log_softmax(stream[:, :T - j, j - 1].float(), dim=-1)).sum(-1).mean()
             loss = loss + self.config.stream_loss_weight * lj
         losses = {"main": main_loss, "streams": stream_losses}
         if self.config.prune_adapter_rank:  # the pruning adapter learns the next token at layer N - Ns

@@ -126,6 +126,38 @@ def test_loss_matches_hand_computation():
     torch.testing.assert_close(losses["loss"], total)
 
 
+def test_streams_distilled_from_the_main_stream():
+    """stream_targets="main": stream j at t learns the main stream's distribution at t+j (soft
+    cross-entropy), the teacher gets no gradient from it, and 'streams' still reports the CE
+    against the data."""
+    model = random_model(std=0.3, stream_targets="main")
+    idx, tgt = torch.randint(0, 11, (2, 7)), torch.randint(0, 11, (2, 7))
+    main, streams, losses = model(idx, tgt)
+    data = random_model(std=0.3)(idx, tgt)[2]  # the same weights (same seed), trained on the data
+    total = losses["main"]
+    for j in range(1, 4):
+        torch.testing.assert_close(losses["streams"][j - 1], data["streams"][j - 1])
+        p = main[:, j:].softmax(-1)  # the main stream at t + j, for t + j < 7
+        total = total + 0.1 * -(p * streams[:, :7 - j, j - 1].log_softmax(-1)).sum(-1).mean()
+    torch.testing.assert_close(losses["loss"], total)
+    # the teacher is a constant: the gradient is that of the same loss with main.detach()
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ours = grads(model(idx, tgt)[2]["loss"])
+    main, streams, _ = model(idx)
+    hand = losses["main"].new_zeros(())
+    for j in range(1, 4):
+        hand = hand - 0.1 * (main[:, j:].detach().softmax(-1) * streams[:, :7 - j, j - 1].log_softmax(-1)).sum(-1).mean()
+    hand = grads(F.cross_entropy(main.reshape(-1, 11), tgt.reshape(-1)) + hand)
+    for a, b in zip(ours, hand):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="stream_targets"):
+        GPTConfig(stream_targets="labels")
+
+
 def test_param_report():
     model = random_model(n_streams=4)
     base, draft = model.param_counts()
