@@ -254,7 +254,9 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
     first = (out / "ckpt.pt").read_bytes()
 
     def interrupt(args, started):
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # a shell that starts the suite in the background ignores SIGINT, and children inherit that
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         for line in p.stdout:  # wait until the work has begun
             if started(line):
                 break
