@@ -413,11 +413,12 @@ class GPT(nn.Module):
         trained on targets[b, t+j], and positions past the end are ignored.
 
         stream_targets="main" trains stream j at t on the main stream's own distribution at
-        t+j instead (soft cross-entropy, no gradient into the main stream): self-distillation,
-        as Medusa-2 and EAGLE train their drafters. Verification accepts a draft when it is
-        the main stream's token, not the data's, so this is the quantity that decides
-        acceptance, and a distribution carries more signal per position than one token.
-        'streams' still reports the CE against the data, so the two kinds compare.
+        t+j instead (soft cross-entropy; the teacher is detached, a target that is never
+        pulled toward the streams): self-distillation, as Medusa-2 and EAGLE train their
+        drafters. Verification accepts a draft when it is the main stream's token, not the
+        data's, so this is the quantity that decides acceptance, and a distribution carries
+        more signal per position than one token. 'streams' still reports the CE against the
+        data, so the two kinds compare.
         """
         B, T = idx.shape
         if T > self.config.block_size:
