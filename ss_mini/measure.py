@@ -56,13 +56,41 @@ def summarize(ar, ss):
                 mean_nodes=sum(nodes) / max(1, len(nodes)))
 
 
+def products(model, n, streams=True):
+    """The matrix products of one pass over n nodes, alone: every Linear of every layer on the
+    rows that the pass carries (n main rows below the multi-stream layers, n (1 + gamma) rows
+    in them), the LM head on the n main rows and the draft logits of one node. streams=False:
+    an autoregressive pass (one row everywhere, no draft logits). Returns a function that runs them."""
+    cfg, w = model.config, model.lm_head.weight
+    first = model._first_msa(streams)
+    rows = [n * (1 + cfg.n_streams) if i >= first else n for i in range(cfg.n_layer)]
+    x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
+    hidden = 4 * cfg.n_embd  # the MLP's inner width
+    xh = {r: w.new_zeros(1, r, hidden) for r in set(rows)}
+    drafts = w.new_zeros(cfg.n_streams, cfg.n_embd) if cfg.n_streams else w.new_zeros(cfg.n_embd)
+
+    def run():
+        for block, r in zip(model.transformer.h, rows):
+            block.attn.c_attn(x[r]), block.attn.c_proj(x[r]), block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
+        model.lm_head(x[n])
+        if streams:
+            model.draft_logits(drafts)
+    return run
+
+
 @torch.inference_mode()
 def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
     verify, accept: `speculative_step`) divided by that of one autoregressive step
     (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
     `steps` steps of each, interleaved. Every step starts from the same cache length, root
-    and drafts. Returns {n: ratio} and the median AR step in ms."""
+    and drafts.
+
+    Also the floor that no leaner step can go below on this machine: 1 + (the matrix
+    products of the speculative pass - those of the autoregressive pass) / one
+    autoregressive step, timed in the same loop (`products`). The extra rows of a tree pass
+    cost this much even if everything else in the step cost exactly what it costs in an
+    autoregressive step. Returns ({n: ratio}, {n: floor}, the median AR step in ms)."""
     cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     T, L = cfg.block_size, len(context)
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
@@ -75,8 +103,10 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     def ar():
         ar_step(model, cache, root, sampler, positions).item()
 
-    steps_of = {"ar": ar, **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
-                             for n, t in trees.items()}}
+    steps_of = {"ar": ar, "products ar": products(model, 1, streams=False),
+                **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
+                   for n, t in trees.items()},
+                **{f"products {n}": products(model, n) for n in sizes}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)
@@ -88,5 +118,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
             cache.length = L
-    ar_s = statistics.median(times["ar"])
-    return {n: statistics.median(times[n]) / ar_s for n in sizes}, 1000 * ar_s
+    med = {k: statistics.median(v) for k, v in times.items()}
+    costs = {n: med[n] / med["ar"] for n in sizes}
+    floors = {n: 1 + (med[f"products {n}"] - med["products ar"]) / med["ar"] for n in sizes}
+    return costs, floors, 1000 * med["ar"]

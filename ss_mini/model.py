@@ -45,6 +45,7 @@ class GPTConfig:
     n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
     stream_targets: str = "data"  # what stream j at t learns: "data" (x_{t+1+j}, Eq. 5) or "main" (the main stream at t+j)
+    stream_stride: int = 1  # training: streams at every k-th position (random offset per batch); 1 = all, as the paper
     stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
     prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter at layer N - Ns (paper: 8)
@@ -58,6 +59,8 @@ class GPTConfig:
             raise ValueError("tree pruning (prune_adapter_rank > 0) acts before stream insertion: it needs n_streams > 0")
         if self.stream_targets not in ("data", "main"):
             raise ValueError(f"stream_targets={self.stream_targets!r}: give data or main")
+        if self.stream_stride < 1:
+            raise ValueError(f"stream_stride={self.stream_stride}: give 1 (streams at every position) or more")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
             raise ValueError(f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} when n_streams > 0")
 
@@ -398,11 +401,15 @@ class GPT(nn.Module):
             return torch.stack([head(h) for head in self.medusa_heads], dim=-2)
         return self.lm_head(h)
 
-    def _chain_masks(self, T, device):
-        """Training is the decoding mask rule applied to a chain: built once per length."""
-        if (T, device) not in self._train_masks:
-            self._train_masks[(T, device)] = attention_mask(np.arange(T) - 1, self.config.n_streams, device=device)
-        return self._train_masks[(T, device)]
+    def _chain_masks(self, T, device, offset=0, stride=1):
+        """Training is the decoding mask rule applied to a chain: built once per length (and
+        per set of positions that carry streams)."""
+        key = (T, device, offset, stride)
+        if key not in self._train_masks:
+            where = None if stride == 1 else list(range(offset, T, stride))
+            self._train_masks[key] = attention_mask(np.arange(T) - 1, self.config.n_streams, stream_idx=where,
+                                                    device=device)
+        return self._train_masks[key]
 
     def forward(self, idx, targets=None):
         """Training forward over a chain: returns (main logits, draft logits, losses).
@@ -419,14 +426,22 @@ class GPT(nn.Module):
         data's, so this is the quantity that decides acceptance, and a distribution carries
         more signal per position than one token. 'streams' still reports the CE against the
         data, so the two kinds compare.
+
+        stream_stride=k > 1 (training mode only): streams run at positions offset, offset + k,
+        ... (offset drawn per batch), so the multi-stream layers carry T + gamma*T/k rows
+        instead of (1 + gamma)*T: the training step is cheaper, every position is still
+        trained over the batches, and the main stream is unchanged (it never sees a stream).
+        The draft logits then cover those positions only. In eval mode every position runs.
         """
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+        k = self.config.stream_stride if self.training and self.config.n_drafts else 1
+        offset = int(torch.randint(k, ())) if k > 1 else 0  # the positions offset, offset + k, ... carry streams
         pos = torch.arange(T, device=idx.device)
-        mask = self._chain_masks(T, idx.device)
+        mask = self._chain_masks(T, idx.device, offset, k)
         h = self.forward_bottom(idx, pos, mask)
-        main, drafts = self.forward_top(h, mask)
+        main, drafts = self.forward_top(h, mask, None if k == 1 else list(range(offset, T, k)))
         stream = self.draft_logits(drafts) if drafts is not None else None
         if targets is None:
             return main, stream, None
@@ -434,12 +449,13 @@ class GPT(nn.Module):
         main_loss = F.cross_entropy(main.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
         loss, stream_losses = main_loss, []
         for j in range(1, self.config.n_drafts + 1):
-            tgt = F.pad(targets[:, j:], (0, j), value=-1)  # x_{t+1+j}; -1 past the end
-            lj = F.cross_entropy(stream[:, :, j - 1].reshape(-1, V), tgt.reshape(-1), ignore_index=-1)
+            t = torch.arange(offset, T - j, k, device=idx.device)  # stream j at t has a target, x_{t+1+j}, if t + j < T
+            s = stream[:, :len(t), j - 1]  # the positions rise, so those are the first len(t)
+            lj = F.cross_entropy(s.reshape(-1, V), targets[:, t + j].reshape(-1), ignore_index=-1)
             stream_losses.append(lj)
-            if self.config.stream_targets == "main":  # the main stream at t+j, for t + j < T
-                teacher = torch.softmax(main[:, j:].detach().float(), dim=-1)
-                lj = -(teacher * F.log_softmax(stream[:, :T - j, j - 1].float(), dim=-1)).sum(-1).mean()
+            if self.config.stream_targets == "main":  # the main stream at t+j
+                teacher = torch.softmax(main[:, t + j].detach().float(), dim=-1)
+                lj = -(teacher * F.log_softmax(s.float(), dim=-1)).sum(-1).mean()
             loss = loss + self.config.stream_loss_weight * lj
         losses = {"main": main_loss, "streams": stream_losses}
         if self.config.prune_adapter_rank:  # the pruning adapter learns the next token at layer N - Ns

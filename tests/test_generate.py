@@ -331,3 +331,27 @@ def test_pruning_keeps_the_cache_consistent():
     model.forward_nodes(torch.tensor([seq]), torch.arange(len(seq)), attention_mask(np.arange(len(seq)) - 1, 3),
                         cache=fresh)
     torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("drafter", ["streams", "medusa"])
+def test_products_are_those_of_a_tree_pass(drafter):
+    """measure.products runs every Linear on the rows a pass carries: n main rows below the
+    multi-stream layers, n (1 + gamma) in them, n in the LM head plus one node's draft logits."""
+    from ss_mini.measure import products
+    kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
+    model = random_model(**kw)
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, x, y, name=name: seen.append((name, x[0].numel() // x[0].shape[-1])))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    products(model, 4)()
+    wide = 16 if drafter == "streams" else 4
+    expect = [(f"transformer.h.{i}.{part}", r) for i, r in enumerate([4, wide, wide])
+              for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + [("lm_head", 4)]
+    expect += [("lm_head", 3)] if drafter == "streams" else [(f"medusa_heads.{k}.{m}", 1) for k in range(2)
+                                                             for m in ("res", "lm_head")]
+    assert seen == expect
+    seen.clear()
+    products(model, 1, streams=False)()
+    assert seen == [(name, 1) for name, _ in expect[:13]]
+    for h in hooks:
+        h.remove()

@@ -158,6 +158,39 @@ def test_streams_distilled_from_the_main_stream():
         GPTConfig(stream_targets="labels")
 
 
+@pytest.mark.parametrize("targets", ["data", "main"])
+def test_stream_stride_trains_the_same_streams_on_fewer_positions(targets):
+    """stream_stride=k: in training mode the streams run at positions offset, offset + k, ...
+    only. The main logits and the streams at those positions equal those of the full pass
+    (a stream sees the main stream and its own lower streams, never another position's),
+    and the loss is Eq. 5 restricted to them. In eval mode every position runs."""
+    model = random_model(std=0.3, stream_stride=3, stream_targets=targets)
+    idx, tgt = torch.randint(0, 11, (2, 10)), torch.randint(0, 11, (2, 10))
+    full_main, full_streams, _ = model(idx, tgt)  # eval mode: all positions
+    assert full_streams.shape[1] == 10
+    model.train()
+    torch.manual_seed(5)
+    offset = int(torch.randint(3, ()))
+    torch.manual_seed(5)
+    main, streams, losses = model(idx, tgt)
+    where = list(range(offset, 10, 3))
+    torch.testing.assert_close(main, full_main)
+    torch.testing.assert_close(streams, full_streams[:, where])
+    total = losses["main"]
+    for j in range(1, 4):
+        t = [i for i, w in enumerate(where) if w + j < 10]
+        lp = streams[:, t, j - 1].log_softmax(-1)
+        if targets == "data":
+            y = tgt[:, [where[i] + j for i in t]]
+            ce = -lp.gather(-1, y[..., None]).mean()
+        else:
+            ce = -(main[:, [where[i] + j for i in t]].softmax(-1) * lp).sum(-1).mean()
+        total = total + 0.1 * ce
+    torch.testing.assert_close(losses["loss"], total)
+    with pytest.raises(ValueError, match="stream_stride"):
+        GPTConfig(stream_stride=0)
+
+
 def test_param_report():
     model = random_model(n_streams=4)
     base, draft = model.param_counts()

@@ -171,6 +171,15 @@ def test_bench_json(tiny_ckpt):
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
 
 
+def test_bench_pass_cost_json(tiny_ckpt):
+    import json
+    r = run("bench.py", f"--out_dir={tiny_ckpt}", "--pass_cost", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("pass_cost", "pass_cost_floor"):
+        assert sorted(doc[key], key=int) == ["1", "4", "8", "16"] and all(v > 0 for v in doc[key].values())
+
+
 BAD = [  # (script, flags, words the one-line error must contain)
     ("train.py", ["--batch_size=0"], "--batch_size"), ("train.py", ["--block_size=0"], "--block_size"),
     ("train.py", ["--block_size=1"], "--block_size"), ("train.py", ["--eval_interval=0"], "--eval_interval"),
@@ -179,7 +188,8 @@ BAD = [  # (script, flags, words the one-line error must contain)
     ("train.py", ["--learning_rate=-1"], "--learning_rate"), ("train.py", ["--dropout=1"], "--dropout"),
     ("train.py", ["--beta2=1.5"], "--beta2"), ("train.py", ["--min_lr=0.5"], "--min_lr"),
     ("train.py", ["--tokenizer=bpe"], "--tokenizer"), ("train.py", ["--init_from=no/such.pt"], "--init_from"),
-    ("train.py", ["--n_msa_layers=9"], "n_msa_layers"), ("train.py", ["--n_embd=10", "--n_head=3"], "divisible"),
+    ("train.py", ["--n_msa_layers=9"], "n_msa_layers"), ("train.py", ["--stream_stride=0"], "--stream_stride"),
+    ("train.py", ["--block_size=6", "--stream_stride=3"], "stream_stride"), ("train.py", ["--n_embd=10", "--n_head=3"], "divisible"),
     ("train.py", ["--init_from=gpt2:no/such/dir", "--tokenizer=gpt2"], "no GPT-2 weights"),
     ("sample.py", ["--temperature=-1"], "--temperature"), ("sample.py", ["--top_p=0"], "--top_p"),
     ("sample.py", ["--top_p=1.5"], "--top_p"), ("sample.py", ["--num_samples=0"], "--num_samples"),
