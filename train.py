@@ -33,7 +33,7 @@ config = dict(
     log_interval=25,
     always_save_checkpoint=False,  # else only when val loss improves on the checkpoint's
     overwrite=False,  # a fresh run (init_from != resume) may replace out_dir/ckpt.pt
-    # model (GPTConfig): the default trains in ~10 minutes on 2 CPU cores and decodes fast (see README)
+    # model (GPTConfig): the default trains in ~8 minutes on 2 CPU cores and decodes fast (see README)
     n_layer=4,
     n_head=4,
     n_embd=128,
