@@ -32,7 +32,7 @@ config = dict(
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     speculative=False,
-    tree="1,1,1",  # top-k per depth (the paper's Cartesian tree), or nN for a budget of N nodes
+    tree="chain",  # chain (top-1 at every depth), top-k per depth (the paper's Cartesian tree, e.g. 3,2,1), nN for N nodes
     prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default

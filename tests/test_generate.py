@@ -104,6 +104,7 @@ def test_cartesian_tree_shape():
         make_tree("1,1,1,1", 3)
     with pytest.raises(ValueError):
         make_tree("abc", 3)
+    assert make_tree("chain", 4).ks == (1, 1, 1, 1) and make_tree("chain", 2).ks == (1, 1)
 
 
 def _exact_first_tokens(model, prompt, k, **kw):
