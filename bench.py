@@ -199,10 +199,11 @@ def compare(dirs, cfg, device, dtype, log):
         rows.append(row)
     log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {first[1]} ({device} {dtype}):")
     log(f"{'model':<22} {'drafter':<26} {'draft params':>12} {'val loss':>8} {'AR tok/s':>8} {'speedup':>8} "
-        f"{'CR':>5} {'tau':>5} {'tree':>6}")
+        f"{'CR':>5} {'tau':>5} {'tree':>7} {'same':>5}")  # same: share of prompts whose outputs equal AR's
     for r in rows:
         spd = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-        extra = f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>6}" if "speedup" in r else ""
+        extra = (f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>7} {r['match_rate']:5.0%}"
+                 if "speedup" in r else "")
         log(f"{r['model']:<22} {r['drafter']:<26} {r['draft_params']:>12,} {r['val_loss']:8.4f} "
             f"{r['ar_tokens_per_s']:8.0f} {spd:>8} {extra}")
     return rows
