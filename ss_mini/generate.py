@@ -14,7 +14,7 @@ One speculative step (paper §3.2), `speculative_step`:
      speculative sampling otherwise, see `Sampler`); walk from the root while a child
      carries y_u; the last y is the next root                       -> Sampler.verify, `walk`
   4. accept: keep the path's K/V in the cache (compaction); its last node's streams
-     are the next drafts                                             -> KVCache.accept
+     are the next drafts                                             -> kvcache.py, KVCache.accept
 Greedy outputs are token-for-token those of `generate_ar`; sampled outputs follow exactly
 the distribution of plain sampling (lossless), but not the same random draws.
 
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import KVCache, attention_mask
+from .kvcache import KVCache
+from .model import attention_mask
 from .pruning import pruned_pass
 
 

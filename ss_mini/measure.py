@@ -12,7 +12,7 @@ import time
 import torch
 
 from .generate import Sampler, _prefill, ar_step, generate_ar, generate_speculative, speculative_step
-from .model import KVCache
+from .kvcache import KVCache
 from .tree import BudgetTree
 
 

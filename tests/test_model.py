@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import random_model
 
-from ss_mini.model import GPT, GPTConfig, KVCache, Linear, attention_mask, stream_mask, tree_mask
+from ss_mini.kvcache import KVCache
+from ss_mini.model import GPT, GPTConfig, Linear, attention_mask, stream_mask, tree_mask
 
 
 def reference_gpt2(model, idx):
