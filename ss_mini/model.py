@@ -363,14 +363,13 @@ class GPT(nn.Module):
             return torch.stack([head(h) for head in self.medusa_heads], dim=-2)
         return self.lm_head(h)
 
-    def _chain_masks(self, T, device, offset=0, stride=1):
+    def _chain_masks(self, T, device, where=None):
         """Training is the decoding mask rule applied to a chain: built once per length (and
-        per set of positions that carry streams)."""
-        key = (T, device, offset, stride)
+        per set of positions that carry streams, `where`; None = all)."""
+        key = (T, device, where and (where.start, where.step))
         if key not in self._train_masks:
-            where = None if stride == 1 else list(range(offset, T, stride))
-            self._train_masks[key] = attention_mask(np.arange(T) - 1, self.config.n_streams, stream_idx=where,
-                                                    device=device)
+            self._train_masks[key] = attention_mask(np.arange(T) - 1, self.config.n_streams,
+                                                    stream_idx=where and list(where), device=device)
         return self._train_masks[key]
 
     def forward(self, idx, targets=None):
@@ -399,11 +398,12 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
         k = self.config.stream_stride if self.training and self.config.n_drafts else 1
-        offset = int(torch.randint(k, ())) if k > 1 else 0  # the positions offset, offset + k, ... carry streams
+        offset = int(torch.randint(k, ())) if k > 1 else 0
+        where = None if k == 1 else range(offset, T, k)  # the positions that carry streams
         pos = torch.arange(T, device=idx.device)
-        mask = self._chain_masks(T, idx.device, offset, k)
+        mask = self._chain_masks(T, idx.device, where)
         h = self.forward_bottom(idx, pos, mask)
-        main, drafts = self.forward_top(h, mask, None if k == 1 else list(range(offset, T, k)))
+        main, drafts = self.forward_top(h, mask, where and list(where))
         stream = self.draft_logits(drafts) if drafts is not None else None
         if targets is None:
             return main, stream, None
