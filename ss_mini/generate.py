@@ -8,7 +8,8 @@ One speculative step (paper §3.2), `speculative_step`:
   1. tree draft: root r (the next token, already decided) plus candidates ranked per
      depth from the streams q_1..q_gamma of the last accepted token  -> tree.py, Sampler.draft
   2. one forward pass over the tree: the main stream verifies every node, and the
-     streams of every node draft for the step after                  -> GPT.forward_nodes
+     streams of every node draft for the step after (as many streams as the tree is
+     deep: the others would draft depths it never uses)             -> GPT.forward_nodes
      (optionally pruned half-way                                     -> pruning.py)
   3. verify: the token y_u the target emits at every node u (argmax when greedy;
      speculative sampling otherwise, see `Sampler`); walk from the root while a child
@@ -69,10 +70,13 @@ def target_probs(logits, temperature=1.0, top_k=None, top_p=None):
     return probs
 
 
-def _sample(probs, gen):
-    """One draw per row from probs (n, V), without a host sync: the exponential race
-    argmax p_i / E_i, E_i ~ Exp(1), picks i with probability p_i (as gpt-fast does)."""
-    return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(-1)
+def _race(weights, gen):
+    """Keys of the exponential race, weights / E with E ~ Exp(1) drawn per entry: their argmax
+    is a draw from the weights (normalised or not), and their top k in order a draw of k
+    without replacement (Gumbel-top-k), with no host sync (gpt-fast samples so). E = -log U:
+    on a CPU, uniform_ and log_ take a quarter of the time of exponential_ (which needs 23 ns
+    an entry: about 6 ms for five rows of GPT-2's 50,257 logits)."""
+    return weights / torch.empty_like(weights).uniform_(generator=gen).log_().neg_()
 
 
 class Sampler:
@@ -109,38 +113,38 @@ class Sampler:
         return target_probs(logits, self.temperature, self.top_k, self.top_p)
 
     def pick(self, logits):  # (n, V) -> (n,)
-        return logits.argmax(-1) if self.gen is None else _sample(self.probs(logits), self.gen)
+        return logits.argmax(-1) if self.gen is None else _race(self.probs(logits), self.gen).argmax(-1)
 
     def draft(self, q, width):
         """(ranked candidates (depths, width), draft probabilities or None when greedy) from q (depths, V)."""
         if self.gen is None:
             return torch.topk(q, width, dim=-1).indices, None
         q = self.probs(q)
-        return torch.topk(q / torch.empty_like(q).exponential_(generator=self.gen), width, dim=-1).indices, q
+        return torch.topk(_race(q, self.gen), width, dim=-1).indices, q
 
     def verify(self, logits, q, ranked, shape):
         """The token the target emits at each node (n,): argmax, or speculative sampling
         (recursive rejection over the node's children; see the class docstring). All nodes
-        run each round together; a node takes part in round r while it has an (r+1)-th child
-        and has accepted none. (A candidate with q(x) = 0 was not drawn: the exponential race
-        ranks zero-probability tokens last when q's support is smaller than the width.)"""
+        run each round together; in round r a node tries its (r+1)-th child if it has one, has
+        accepted none and the child's token was drawn at all (the race ranks tokens with
+        q(x) = 0 last, when q's support is smaller than the width). The others sit the round
+        out with q = 0, which leaves their p as it is."""
         if self.gen is None:
             return logits.argmax(-1)
         p, q, cand = self.probs(logits), q[shape.cand_row], ranked[shape.cand_row]  # per node: (n, V), (n, V), (n, W)
         u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
         tries = shape.tries & (q.gather(1, cand) > 0)  # (n, W): child r exists and was drawn
-        ys, live = torch.full_like(cand[:, :1], -1), torch.ones_like(tries[:, :1])  # live: no child accepted yet
+        ys = torch.full_like(cand[:, 0], -1)  # -1: no child accepted (yet)
         for r in range(shape.max_children):
-            x = cand[:, r:r + 1]
+            x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
-            tried = live & tries[:, r:r + 1]
-            accept = tried & (u[:, r:r + 1] * qx < px)  # with probability min(1, p(x) / q(x))
-            ys, live, reject = torch.where(accept, x, ys), live ^ accept, tried ^ accept
-            residual = (p - q).clamp_min_(0)  # rejected: p becomes norm(max(0, p - q)) ...
-            p = torch.where(reject, residual / residual.sum(-1, keepdim=True).clamp_min_(1e-30), p)
-            if r + 1 < shape.max_children:  # ... and x leaves q, for the next child
-                q = torch.where(reject, q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30), q)
-        return torch.where(live, _sample(p, self.gen)[:, None], ys)[:, 0]
+            accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # probability min(1, p(x)/q(x)); never if q = 0
+            ys = torch.where(accept[:, 0], x[:, 0], ys)
+            p = (p - q).clamp_min_(0)  # rejected: p becomes the residual max(0, p - q) (q = 0: p stays) ...
+            if r + 1 < shape.max_children:  # ... normalised; x leaves q, renormalised; accepted nodes are done
+                p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
+                q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
+        return torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1))  # none accepted: a draw from p
 
 
 def compiled(model):
@@ -167,23 +171,23 @@ def _prepare(model, prompt, max_new_tokens):
     return prompt
 
 
-def _prefill(model, ctx, cache, with_streams):
-    """Fill the cache with ctx; return the last position's main logits (V,) and draft logits (gamma, V)."""
+def _prefill(model, ctx, cache, n_drafts):
+    """Fill the cache with ctx; return the last position's main logits (V,) and, unless
+    n_drafts = 0, draft logits (n_drafts, V) (GPT.forward_nodes)."""
     cache.reset()
     n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
     idx = torch.tensor([ctx], dtype=torch.long, device=dev)
-    g = model.config.n_streams if with_streams else 0
-    mask = attention_mask(range(-1, n - 1), g, stream_idx=[n - 1], dtype=dtype, device=dev)
+    mask = attention_mask(range(-1, n - 1), model._n_streams(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
     main, hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
-                                       stream_idx=[n - 1], streams=with_streams, last_only=True)
+                                       stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
     cache.accept(n)
-    return main[0, -1], (model.draft_logits(hidden[0, -1]) if with_streams else None)
+    return main[0, -1], (model.draft_logits(hidden[0, -1]) if n_drafts != 0 else None)
 
 
 def ar_step(model, cache, root, sampler, positions):
     """One autoregressive pass: cache the root (1,), return the token after it (1,)."""
     L = cache.length
-    logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, streams=False)
+    logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
     cache.accept(1)
     return sampler.pick(logits[0])
 
@@ -199,7 +203,7 @@ def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_
     positions = torch.arange(T, device=dev)
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, _ = _prefill(model, ctx, cache, with_streams=False)
+    logits, _ = _prefill(model, ctx, cache, n_drafts=0)
     root = sampler.pick(logits[None])  # (1,): stays on the device, it is the next input
     stats.passes = 1
     out = []
@@ -214,7 +218,7 @@ def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_
             break
         if cache.length == T:  # sliding window: rebuild from the last T // 2 tokens
             ctx = ctx[-(T // 2):]
-            _prefill(model, ctx, cache, with_streams=False)
+            _prefill(model, ctx, cache, n_drafts=0)
             stats.passes += 1
         root = ar_step(model, cache, root, sampler, positions)
         ctx.append(token)
@@ -242,8 +246,8 @@ def walk(ys, tokens, children):
 def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0):
     """One forward pass of Speculative Streaming: verify the tree drafted from q, draft the next.
 
-    root: (1,) the next token, decided but not yet cached; q: (gamma, V) the draft logits of
-    the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
+    root: (1,) the next token, decided but not yet cached; q: (tree.depth, V) the draft logits
+    of the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
     first), now cached; y, the token after them (the next root, also as a (1,) tensor); the
     next draft logits; the number of nodes verified.
     """
@@ -256,7 +260,8 @@ def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_thre
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
         tokens, shape, logits, hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
     else:
-        logits, hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache)
+        logits, hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache,
+                                             n_drafts=tree.depth)
     # 3. verify: the token the target emits at every node; walk while a child carries it
     ys_t = sampler.verify(logits[0], q_probs, ranked, shape)
     ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
@@ -289,7 +294,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     cache = KVCache(cfg, T + len(tree) * (1 + cfg.n_streams), device=dev, dtype=dtype)  # + tentative slots
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, q = _prefill(model, ctx, cache, with_streams=True)
+    logits, q = _prefill(model, ctx, cache, tree.depth)
     root = sampler.pick(logits[None])
     stats.passes = 1
     out = [root.item()]
@@ -300,7 +305,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     while out and out[-1] != eot and len(out) < max_new_tokens:
         if cache.length == T:  # sliding window, the same rule as generate_ar
             ctx = ctx[-(T // 2):]
-            _, q = _prefill(model, ctx, cache, with_streams=True)
+            _, q = _prefill(model, ctx, cache, tree.depth)
             stats.passes += 1
         max_depth = T - 1 - cache.length  # positions stay < block_size
         path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold)

@@ -56,24 +56,25 @@ def summarize(ar, ss):
                 mean_nodes=sum(nodes) / max(1, len(nodes)))
 
 
-def products(model, n, streams=True):
+def products(model, n, n_drafts=None):
     """The matrix products of one pass over n nodes, alone: every Linear of every layer on the
-    rows that the pass carries (n main rows below the multi-stream layers, n (1 + gamma) rows
-    in them), the LM head on the n main rows and the draft logits of one node. streams=False:
-    an autoregressive pass (one row everywhere, no draft logits). Returns a function that runs them."""
-    cfg, w = model.config, model.lm_head.weight
-    first = model._first_msa(streams)
-    rows = [n * (1 + cfg.n_streams) if i >= first else n for i in range(cfg.n_layer)]
+    rows that the pass carries (n main rows below the multi-stream layers, n (1 + g) rows in
+    them, g streams as in GPT.forward_nodes), the LM head on the n main rows and the draft
+    logits of one node. n_drafts=0: an autoregressive pass (one row everywhere, no draft
+    logits). Returns a function that runs them."""
+    cfg, w, g = model.config, model.lm_head.weight, model._n_streams(n_drafts)
+    first = model._first_msa(n_drafts)
+    rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
     x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
     xh = {r: w.new_zeros(1, r, hidden) for r in set(rows)}
-    drafts = w.new_zeros(cfg.n_streams, cfg.n_embd) if cfg.n_streams else w.new_zeros(cfg.n_embd)
+    drafts = w.new_zeros(g, cfg.n_embd) if g else w.new_zeros(cfg.n_embd)
 
     def run():
         for block, r in zip(model.transformer.h, rows):
             block.attn.c_attn(x[r]), block.attn.c_proj(x[r]), block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
         model.lm_head(x[n])
-        if streams:
+        if n_drafts != 0:
             model.draft_logits(drafts)
     return run
 
@@ -96,17 +97,17 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
     cache = KVCache(cfg, T + max(sizes) * (1 + cfg.n_streams), device=dev, dtype=dtype)
     sampler = Sampler(0.0, None, None, None, dev)
-    logits, q = _prefill(model, list(context), cache, with_streams=True)
+    logits, q = _prefill(model, list(context), cache, n_drafts=None)
     root, positions = sampler.pick(logits[None]), torch.arange(T, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def ar():
         ar_step(model, cache, root, sampler, positions).item()
 
-    steps_of = {"ar": ar, "products ar": products(model, 1, streams=False),
+    steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
                 **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
                    for n, t in trees.items()},
-                **{f"products {n}": products(model, n) for n in sizes}}
+                **{f"products {n}": products(model, n, t.depth) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)

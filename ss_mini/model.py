@@ -306,51 +306,59 @@ class GPT(nn.Module):
         from .pretrained import load_gpt2
         return load_gpt2(spec, **stream_args)
 
-    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, streams=True, last_only=False):
+    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, n_drafts=None, last_only=False):
         """Run main nodes idx (B, n) at positions pos (n,) and the streams of some of them.
 
-        mask: from `attention_mask` for these nodes (and their streams, with streams=True),
-        with the cached prefix as its first columns; None for one node that sees every key.
-        stream_idx: the nodes that carry streams (None = all); streams=False: none.
+        mask: from `attention_mask` for these nodes (and their streams, if any run), with the
+        cached prefix as its first columns; None for one node that sees every key.
+        stream_idx: the nodes that carry streams (None = all). n_drafts: how many streams run,
+        the first ones (None = all gamma; 0 = none, a plain pass). Stream j attends to streams
+        <= j only (Eq. 2), so the first g streams come out the same whatever g is: a tree draft
+        D deep needs D of them, and a pass pays for no more (Medusa: 0 = no drafts, else all K).
         Returns the main logits (B, n, V) (only the last node's with last_only) and the
-        drafter's hidden states (B, m, gamma, d) for the streams, (B, m, d) for Medusa, or
+        drafter's hidden states (B, m, g, d) for the streams, (B, m, d) for Medusa, or
         None: `draft_logits` turns them into draft logits. The LM head runs on the main rows
         only, so a pass pays for draft logits only where they are used (the accepted node).
         """
-        x = self.forward_bottom(idx, pos, mask, cache, streams)
-        return self.forward_top(x, mask, stream_idx, cache, streams, last_only)
+        x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
+        return self.forward_top(x, mask, stream_idx, cache, n_drafts, last_only)
 
-    def _first_msa(self, streams):
+    def _n_streams(self, n_drafts):
+        """How many streams a pass with this n_drafts runs."""
+        g = self.config.n_streams
+        return g if n_drafts is None else min(g, n_drafts)
+
+    def _first_msa(self, n_drafts):
         cfg = self.config
-        return cfg.n_layer - cfg.n_msa_layers if (cfg.n_streams and streams) else cfg.n_layer
+        return cfg.n_layer - cfg.n_msa_layers if self._n_streams(n_drafts) else cfg.n_layer
 
-    def forward_bottom(self, idx, pos, mask=None, cache=None, streams=True):
+    def forward_bottom(self, idx, pos, mask=None, cache=None, n_drafts=None):
         """Embeddings and the layers below stream insertion: main rows only."""
         n = idx.shape[1]
         x = dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), self.config.dropout, self.training)
         if mask is not None:  # the main rows' part: the prefix and the nodes, no stream keys
             mask = mask[:n, :mask.shape[1] - mask.shape[0] + n]
-        for i in range(self._first_msa(streams)):
+        for i in range(self._first_msa(n_drafts)):
             x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
-    def forward_top(self, x, mask=None, stream_idx=None, cache=None, streams=True, last_only=False):
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, n_drafts=None, last_only=False):
         """Stream insertion, the multi-stream attention layers and the heads (see forward_nodes)."""
         cfg = self.config
-        n, first_msa = x.shape[1], self._first_msa(streams)
-        if first_msa < cfg.n_layer:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
+        n, g, first_msa = x.shape[1], self._n_streams(n_drafts), self._first_msa(n_drafts)
+        if g:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
             src = x if stream_idx is None else x[:, stream_idx]
-            x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb).flatten(1, 2)], dim=1)
+            x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb[:g]).flatten(1, 2)], dim=1)
             if mask is None:  # one node: it sees every key, its streams see it and their lower streams
                 L = cache.length if cache is not None else 0
-                mask = attention_mask([-1], cfg.n_streams, L, dtype=x.dtype, device=x.device)
+                mask = attention_mask([-1], g, L, dtype=x.dtype, device=x.device)
         for i in range(first_msa, cfg.n_layer):
             x = self.transformer.h[i](x, n, mask, cache, i)
         x = self.transformer.ln_f(x)
         drafts = None
-        if cfg.n_streams and streams:
-            drafts = x[:, n:].unflatten(1, (-1, cfg.n_streams))
-        elif cfg.n_medusa_heads and streams:  # Medusa drafts from the main hidden states
+        if g:
+            drafts = x[:, n:].unflatten(1, (-1, g))
+        elif cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
             drafts = x[:, :n] if stream_idx is None else x[:, stream_idx]
         main = x[:, n - 1:n] if last_only else x[:, :n]
         return self.lm_head(main), drafts

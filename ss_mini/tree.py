@@ -34,7 +34,7 @@ from .model import attention_mask
 
 
 class TreeShape:
-    def __init__(self, parents, ranks, n_streams, block_size, width, device, dtype):
+    def __init__(self, parents, ranks, n_drafts, block_size, width, device, dtype):
         self.parents, self.ranks, self.n = list(parents), list(ranks), len(parents)
         self.depths, self.children = [0] * self.n, [[] for _ in parents]
         for i, p in enumerate(self.parents[1:], 1):
@@ -48,9 +48,9 @@ class TreeShape:
         self.max_children = max(len(c) for c in self.children)
         self.tries = torch.tensor([[r < len(c) for r in range(width)] for c in self.children],
                                   device=device)  # (n, width): node u has an (r+1)-th child
-        self.cand_row = self.depth.clamp(max=max(n_streams - 1, 0))
+        self.cand_row = self.depth.clamp(max=n_drafts - 1)
         self.block_size = block_size
-        self.full_mask = attention_mask(self.parents, n_streams, block_size, dtype=dtype, device=device)
+        self.full_mask = attention_mask(self.parents, n_drafts, block_size, dtype=dtype, device=device)
 
     def mask(self, L):
         """The attention mask of this tree after L cached tokens: a view, no work."""
@@ -71,10 +71,14 @@ class _Tree:
     def bind(self, config, device, dtype):
         if len(self) > MAX_NODES:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
-        key = (config.n_drafts, config.block_size, str(device), dtype)
+        # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_drafts), and
+        # at least one, so that every pass drafts for the next
+        depth = max(1, min(self.max_depth, config.n_drafts))
+        key = (depth, config.block_size, str(device), dtype)
         if getattr(self, "_key", None) != key or self.width != min(self.max_width, config.vocab_size):
             self._key, self._shapes = key, {}
             self.width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
+        self.depth = depth
         return self
 
     def shape_of(self, parents, ranks):
@@ -83,8 +87,8 @@ class _Tree:
         if key not in self._shapes:
             if len(self._shapes) >= 4096:  # a budget tree meets few shapes; bound the memory anyway
                 self._shapes.clear()
-            n_streams, block_size, device, dtype = self._key
-            self._shapes[key] = TreeShape(parents, ranks, n_streams, block_size, self.width, device, dtype)
+            depth, block_size, device, dtype = self._key
+            self._shapes[key] = TreeShape(parents, ranks, depth, block_size, self.width, device, dtype)
         return self._shapes[key]
 
 
@@ -103,7 +107,7 @@ class CartesianTree(_Tree):
         self.parents = [-1] + [index[p[:-1]] for p in paths[1:]]
         self.ranks = [0] + [p[-1] for p in paths[1:]]
         self.n_at_depth = [sum(1 for p in paths if len(p) <= j) for j in range(len(self.ks) + 1)]
-        self.max_width = max(self.ks)
+        self.max_width, self.max_depth = max(self.ks), len(self.ks)
 
     def __len__(self):
         return len(self.parents)
@@ -128,7 +132,7 @@ class BudgetTree(_Tree):
         if n_nodes < 1:
             raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
         self.n_nodes, self.n_streams = int(n_nodes), n_streams
-        self.max_width = max(1, self.n_nodes - 1)
+        self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n nodes is n - 1 deep
 
     def __len__(self):
         return self.n_nodes

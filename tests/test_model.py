@@ -233,6 +233,22 @@ def test_incremental_decoding_equals_full_forward():
         torch.testing.assert_close(model.draft_logits(h[0, 0]), full_streams[0, t], rtol=0, atol=1e-10)
 
 
+def test_a_pass_runs_the_first_streams_only():
+    """n_drafts=g runs streams 1..g: they equal those of a pass with all gamma streams (stream j
+    attends to streams <= j only, Eq. 2), and the main stream is unchanged."""
+    model = random_model(std=0.3)
+    cache, _, _ = _prefill(model, [1, 2, 3, 4, 5])
+    parents, L, tokens = [-1, 0, 0, 1], cache.length, torch.tensor([[6, 7, 8, 9]])
+    pos = torch.tensor([0, 1, 1, 2]) + L
+    main, hidden = model.forward_nodes(tokens, pos, attention_mask(parents, 3, L, dtype=torch.float64), cache=cache)
+    for g in (1, 2):
+        m, h = model.forward_nodes(tokens, pos, attention_mask(parents, g, L, dtype=torch.float64), cache=cache,
+                                   n_drafts=g)
+        assert h.shape[-2] == g
+        torch.testing.assert_close(m, main, rtol=0, atol=1e-10)
+        torch.testing.assert_close(model.draft_logits(h), model.draft_logits(hidden)[..., :g, :], rtol=0, atol=1e-10)
+
+
 def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
     model = random_model(std=0.3)
     gen = torch.Generator().manual_seed(0)
