@@ -246,7 +246,7 @@ def walk(ys, tokens, children):
 def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0):
     """One forward pass of Speculative Streaming: verify the tree drafted from q, draft the next.
 
-    root: (1,) the next token, decided but not yet cached; q: (tree.depth, V) the draft logits
+    root: (1,) the next token, decided but not yet cached; q: (tree.n_drafts, V) the draft logits
     of the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
     first), now cached; y, the token after them (the next root, also as a (1,) tensor); the
     next draft logits; the number of nodes verified.
@@ -261,7 +261,7 @@ def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_thre
         tokens, shape, logits, hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
     else:
         logits, hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache,
-                                             n_drafts=tree.depth)
+                                             n_drafts=tree.n_drafts)
     # 3. verify: the token the target emits at every node; walk while a child carries it
     ys_t = sampler.verify(logits[0], q_probs, ranked, shape)
     ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
@@ -294,7 +294,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     cache = KVCache(cfg, T + len(tree) * (1 + cfg.n_streams), device=dev, dtype=dtype)  # + tentative slots
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, q = _prefill(model, ctx, cache, tree.depth)
+    logits, q = _prefill(model, ctx, cache, tree.n_drafts)
     root = sampler.pick(logits[None])
     stats.passes = 1
     out = [root.item()]
@@ -305,7 +305,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     while out and out[-1] != eot and len(out) < max_new_tokens:
         if cache.length == T:  # sliding window, the same rule as generate_ar
             ctx = ctx[-(T // 2):]
-            _, q = _prefill(model, ctx, cache, tree.depth)
+            _, q = _prefill(model, ctx, cache, tree.n_drafts)
             stats.passes += 1
         max_depth = T - 1 - cache.length  # positions stay < block_size
         path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold)

@@ -107,7 +107,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
                 **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
                    for n, t in trees.items()},
-                **{f"products {n}": products(model, n, t.depth) for n, t in trees.items()}}
+                **{f"products {n}": products(model, n, t.n_drafts) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)

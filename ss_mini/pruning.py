@@ -35,7 +35,7 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
     of the kept nodes move to slots L..L+kept-1; those of dropped nodes are simply not kept.
     """
     L, n = cache.length, shape.n
-    h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache, tree.depth)
+    h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache, tree.n_drafts)
     if n > 1:
         parent_idx = torch.tensor(shape.parents[1:], device=h.device)
         early = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
@@ -51,5 +51,5 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
             first_msa = model.config.n_layer - model.config.n_msa_layers
             cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
             h, tokens = h[:, k], tokens[k]
-    logits, hidden = model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.depth)
+    logits, hidden = model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts)
     return tokens, shape, logits, hidden

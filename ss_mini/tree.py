@@ -22,7 +22,9 @@ Two shapes, one interface (`tree.shape(q, max_depth)` -> TreeShape):
   top-1 chain; its shape follows the drafts, and each shape met is kept for reuse.
 A shape carries what the pass needs on the device, built once: the node depths, the
 gather index into the ranked candidates and the attention mask in SDPA's additive form,
-with block_size prefix columns, so a step with L cached tokens takes a view.
+with block_size prefix columns, so a step with L cached tokens takes a view. A tree
+bound to a model knows how many depths it drafts (`n_drafts`: its depth, at most gamma):
+its passes run that many streams, since deeper ones would draft tokens no node holds.
 """
 import heapq
 import itertools
@@ -73,12 +75,12 @@ class _Tree:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
         # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_drafts), and
         # at least one, so that every pass drafts for the next
-        depth = max(1, min(self.max_depth, config.n_drafts))
-        key = (depth, config.block_size, str(device), dtype)
+        n_drafts = max(1, min(self.max_depth, config.n_drafts))
+        key = (n_drafts, config.block_size, str(device), dtype)
         if getattr(self, "_key", None) != key or self.width != min(self.max_width, config.vocab_size):
             self._key, self._shapes = key, {}
             self.width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
-        self.depth = depth
+        self.n_drafts = n_drafts
         return self
 
     def shape_of(self, parents, ranks):
@@ -87,8 +89,8 @@ class _Tree:
         if key not in self._shapes:
             if len(self._shapes) >= 4096:  # a budget tree meets few shapes; bound the memory anyway
                 self._shapes.clear()
-            depth, block_size, device, dtype = self._key
-            self._shapes[key] = TreeShape(parents, ranks, depth, block_size, self.width, device, dtype)
+            n_drafts, block_size, device, dtype = self._key
+            self._shapes[key] = TreeShape(parents, ranks, n_drafts, block_size, self.width, device, dtype)
         return self._shapes[key]
 
 

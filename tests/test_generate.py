@@ -110,9 +110,9 @@ def test_cartesian_tree_shape():
 def test_a_tree_runs_as_many_streams_as_it_is_deep():
     """A pass runs the streams of the depths its tree drafts, no more (at least one)."""
     cfg = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=16, vocab_size=11, n_streams=4, n_msa_layers=1)
-    depth = {spec: make_tree(spec, 4).bind(cfg, "cpu", torch.float32).depth
+    drafts = {spec: make_tree(spec, 4).bind(cfg, "cpu", torch.float32).n_drafts
              for spec in ("2,1", "3,2,1", "chain", "n1", "n2", "n4", "n5", "n16")}
-    assert depth == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
+    assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
     assert tree.shape(torch.randn(2, 11), 9).full_mask.shape[0] == 5 * (1 + 2)  # 5 main rows, 2 streams each
 
