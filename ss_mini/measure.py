@@ -97,7 +97,9 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
     cache = KVCache(cfg, T + max(sizes) * (1 + cfg.n_streams), device=dev, dtype=dtype)
     sampler = Sampler(0.0, None, None, None, dev)
-    logits, q = _prefill(model, list(context), cache, n_drafts=None)
+    # the draft logits each tree's steps see, as generate_speculative's prefill gives them (the cache comes out the same)
+    qs = {n: _prefill(model, list(context), cache, t.n_drafts)[1] for n, t in trees.items()}
+    logits, _ = _prefill(model, list(context), cache, n_drafts=0)
     root, positions = sampler.pick(logits[None]), torch.arange(T, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
@@ -105,7 +107,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
         ar_step(model, cache, root, sampler, positions).item()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
-                **{n: (lambda t=t: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
+                **{n: (lambda t=t, q=qs[n]: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
                    for n, t in trees.items()},
                 **{f"products {n}": products(model, n, t.n_drafts) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
