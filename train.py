@@ -74,7 +74,7 @@ RULES = dict(
     batch_size=at_least(1), gradient_accumulation_steps=at_least(1), learning_rate=in_range(0.0, 1.0, lo_open=True),
     max_iters=at_least(1), weight_decay=at_least(0.0), beta1=in_range(0.0, 1.0, hi_open=True),
     beta2=in_range(0.0, 1.0, hi_open=True), grad_clip=at_least(0.0), warmup_iters=at_least(0),
-    min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"), stream_targets=one_of("data", "main"),
+    min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"), stream_targets=one_of("data", "main", "greedy"),
     init_from=(lambda v: v in ("scratch", "resume") or v.startswith("gpt2:") or os.path.exists(v),
                "scratch, resume, gpt2:DIR or the path of a checkpoint that exists"),
 )

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kvcache import KVCache
 from .pruning import PruningAdapter
 
 
@@ -44,7 +45,8 @@ class GPTConfig:
     n_streams: int = 3  # gamma: speculative streams; 0 makes this a plain GPT-2
     n_msa_layers: int = 2  # Ns: top layers with multi-stream attention
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5 (alpha_0 = 1 for the main stream)
-    stream_targets: str = "data"  # what stream j at t learns: "data" (x_{t+1+j}, Eq. 5) or "main" (the main stream at t+j)
+    stream_targets: str = "data"  # what stream j at t learns: "data" (x_{t+1+j}, Eq. 5), "main" (the main stream at
+    # t+j) or "greedy" (the main stream at the j-th token of its own greedy continuation from t)
     stream_stride: int = 1  # training: streams at every k-th position (random offset per batch); 1 = all, as the paper
     stream_adapter_rank: int = 0  # > 0: low-rank adapters for stream rows in the MSA layers (lossless mode)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
@@ -57,8 +59,8 @@ class GPTConfig:
             raise ValueError("choose one drafter: n_streams (Speculative Streaming) or n_medusa_heads (Medusa), not both")
         if self.prune_adapter_rank and not self.n_streams:
             raise ValueError("tree pruning (prune_adapter_rank > 0) acts before stream insertion: it needs n_streams > 0")
-        if self.stream_targets not in ("data", "main"):
-            raise ValueError(f"stream_targets={self.stream_targets!r}: give data or main")
+        if self.stream_targets not in ("data", "main", "greedy"):
+            raise ValueError(f"stream_targets={self.stream_targets!r}: give data, main or greedy")
         if self.stream_stride < 1:
             raise ValueError(f"stream_stride={self.stream_stride}: give 1 (streams at every position) or more")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
@@ -393,9 +395,11 @@ class GPT(nn.Module):
         t+j instead (soft cross-entropy; the teacher is detached, a target that is never
         pulled toward the streams): self-distillation, as Medusa-2 and EAGLE train their
         drafters. Verification accepts a draft when it is the main stream's token, not the
-        data's, so this is the quantity that decides acceptance, and a distribution carries
-        more signal per position than one token. 'streams' still reports the CE against the
-        data, so the two kinds compare.
+        data's, so this is closer to what decides acceptance, and a distribution carries
+        more signal per position than one token. stream_targets="greedy" goes one step
+        further: the main stream's distribution at the j-th token of its own greedy
+        continuation from t (`greedy_continuation`), which is what greedy verification
+        checks. 'streams' still reports the CE against the data, so all kinds compare.
 
         stream_stride=k > 1 (training mode only): streams run at positions offset, offset + k,
         ... (offset drawn per batch), so the multi-stream layers carry T + gamma*T/k rows
@@ -419,13 +423,14 @@ class GPT(nn.Module):
         V = main.shape[-1]
         main_loss = F.cross_entropy(main.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
         loss, stream_losses = main_loss, []
+        greedy = self.greedy_continuation(idx, where) if self.config.stream_targets == "greedy" else None
         for j in range(1, self.config.n_drafts + 1):
             t = torch.arange(offset, T - j, k, device=idx.device)  # stream j at t has a target, x_{t+1+j}, if t + j < T
             s = stream[:, :len(t), j - 1]  # the positions rise, so those are the first len(t)
             lj = F.cross_entropy(s.reshape(-1, V), targets[:, t + j].reshape(-1), ignore_index=-1)
             stream_losses.append(lj)
-            if self.config.stream_targets == "main":  # the main stream at t+j
-                teacher = torch.softmax(main[:, t + j].detach().float(), dim=-1)
+            if self.config.stream_targets != "data":  # soft targets: the main stream at t+j, or along its greedy path
+                teacher = greedy[:, :len(t), j - 1] if greedy is not None else torch.softmax(main[:, t + j].detach().float(), -1)
                 lj = -(teacher * F.log_softmax(s.float(), dim=-1)).sum(-1).mean()
             loss = loss + self.config.stream_loss_weight * lj
         losses = {"main": main_loss, "streams": stream_losses}
@@ -434,6 +439,42 @@ class GPT(nn.Module):
             losses["prune"] = F.cross_entropy(early.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
             loss = loss + self.config.stream_loss_weight * losses["prune"]
         return main, stream, {"loss": loss, **losses}
+
+    @torch.no_grad()
+    def greedy_continuation(self, idx, where=None):
+        """The targets of stream_targets="greedy" (B, m, gamma, V): for each position t in
+        `where` (m of them; None = every position), the main stream's distributions over the
+        first gamma tokens of its own greedy continuation from t.
+
+        Greedy verification accepts stream j's draft at t when it is the main stream's
+        argmax after the tokens before it, and in a pass where the earlier drafts were
+        accepted those tokens are the main stream's own argmaxes, not the data's. Teacher
+        forcing with the data ("main") only approximates that; this computes it. It is a
+        tree of main nodes over the batch, run with a KV cache like a decoding pass: the
+        chain idx, then gamma levels, where level j holds, for every t, the argmax of level
+        j - 1 at position t + j (its parent). One pass per level, m rows each: a training
+        step pays about one forward of the batch plus gamma forwards of m rows per sequence.
+        """
+        B, T = idx.shape
+        dev, g = idx.device, self.config.n_drafts
+        t = torch.arange(T, device=dev) if where is None else torch.tensor(list(where), device=dev)
+        m = len(t)
+        key = ("greedy", T, dev, where and (where.start, where.step))
+        if key not in self._train_masks:  # the chain, then level j: parent t (j = 1) or the node of level j - 1
+            parents = list(range(-1, T - 1)) + t.tolist() + [T + i for i in range((g - 1) * m)]
+            self._train_masks[key] = attention_mask(parents, device=dev)
+        mask = self._train_masks[key]
+        cache = KVCache(self.config, T + g * m, batch_size=B, device=dev, dtype=self.lm_head.weight.dtype)
+        logits, _ = self.forward_nodes(idx, torch.arange(T, device=dev), mask[:T, :T], cache=cache, n_drafts=0)
+        cache.accept(T)
+        y, probs = logits[:, t].argmax(-1), []
+        for j in range(1, g + 1):
+            end = T + j * m
+            logits, _ = self.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end, :end], cache=cache, n_drafts=0)
+            cache.accept(m)
+            probs.append(torch.softmax(logits.float(), dim=-1))
+            y = logits.argmax(-1)
+        return torch.stack(probs, dim=2)
 
     def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -159,6 +159,36 @@ def test_streams_distilled_from_the_main_stream():
         GPTConfig(stream_targets="labels")
 
 
+@pytest.mark.parametrize("stride", [1, 3])
+def test_streams_learn_the_main_streams_greedy_continuation(stride):
+    """stream_targets="greedy": stream j at t learns the main stream's distribution at the
+    j-th token of its own greedy continuation from t, as naive decoding computes it (the
+    whole sequence re-run for every token); positions past the block are ignored."""
+    model = random_model(std=0.3, stream_stride=stride, stream_targets="greedy")
+    idx, tgt = torch.randint(0, 11, (2, 9)), torch.randint(0, 11, (2, 9))
+    model.train()
+    torch.manual_seed(5)
+    offset = int(torch.randint(stride, ())) if stride > 1 else 0
+    torch.manual_seed(5)
+    main, streams, losses = model(idx, tgt)
+    where = list(range(offset, 9, stride))
+    total = losses["main"]
+    for j in range(1, 4):
+        ce = []
+        for i, t in enumerate(where):
+            if t + j >= 9:
+                continue
+            seq = idx[:, :t + 1]
+            for _ in range(j):  # greedy: append the main stream's argmax, re-run everything
+                seq = torch.cat([seq, reference_gpt2(model, seq)[:, -1:].argmax(-1)], dim=1)
+            p = reference_gpt2(model, seq)[:, -1].softmax(-1)  # the main stream after j greedy tokens
+            ce.append(-(p * streams[:, i, j - 1].log_softmax(-1)).sum(-1))
+        total = total + 0.1 * torch.stack(ce, 1).mean()
+    torch.testing.assert_close(losses["loss"], total)
+    assert not torch.allclose(losses["loss"], random_model(std=0.3, stream_stride=stride, stream_targets="main")
+                              .train()(idx, tgt)[2]["loss"])  # and it is not what teacher forcing gives
+
+
 @pytest.mark.parametrize("targets", ["data", "main"])
 def test_stream_stride_trains_the_same_streams_on_fewer_positions(targets):
     """stream_stride=k: in training mode the streams run at positions offset, offset + k, ...
