@@ -32,7 +32,7 @@ from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.measure import pass_cost, run_interleaved, run_pair, summarize
+from ss_mini.measure import pass_cost, repeat_rate, run_interleaved, run_pair, summarize
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import make_tree
 
@@ -194,18 +194,19 @@ def compare(dirs, cfg, device, dtype, log):
                 spec = tree_search(model, calibration, cfg, kw, lambda *a: None)
             row.update(summarize(*run_pair(model, prompts, make_tree(spec, model.config.n_drafts), kw)), tree=spec)
         else:
-            stats = [generate_ar(model, p, **kw)[1] for p in prompts]
-            row["ar_tokens_per_s"] = sum(s.new_tokens for s in stats) / sum(s.seconds for s in stats)
+            outs = [generate_ar(model, p, **kw) for p in prompts]
+            row["ar_tokens_per_s"] = sum(s.new_tokens for _, s in outs) / sum(s.seconds for _, s in outs)
+            row["repeat_rate"] = repeat_rate([o for o, _ in outs])
         rows.append(row)
     log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {first[1]} ({device} {dtype}):")
     log(f"{'model':<22} {'drafter':<26} {'draft params':>12} {'val loss':>8} {'AR tok/s':>8} {'speedup':>8} "
-        f"{'CR':>5} {'tau':>5} {'tree':>7} {'same':>5}")  # same: share of prompts whose outputs equal AR's
+        f"{'repeats':>7} {'CR':>5} {'tau':>5} {'tree':>7} {'same':>5}")  # same: share of prompts whose outputs equal AR's
     for r in rows:
         spd = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         extra = (f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>7} {r['match_rate']:5.0%}"
                  if "speedup" in r else "")
         log(f"{r['model']:<22} {r['drafter']:<26} {r['draft_params']:>12,} {r['val_loss']:8.4f} "
-            f"{r['ar_tokens_per_s']:8.0f} {spd:>8} {extra}")
+            f"{r['ar_tokens_per_s']:8.0f} {spd:>8} {r['repeat_rate']:7.0%} {extra}")
     return rows
 
 
@@ -341,7 +342,8 @@ def main(argv=None):
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
     log(f"  speedup {r['speedup']:.2f}x | mean accepted tokens per pass (root included) {r['mean_accepted']:.2f} | "
         f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
-    log(f"  accepted-length histogram: {r['accepted_histogram']}")
+    log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
+        f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
     if r["efficiency"] > 1:
         unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
     if cfg["temperature"] == 0:

@@ -43,7 +43,8 @@ config = dict(
     n_streams=4,  # gamma, as the paper; on code CR 3.76 and 1.98x against 3.24 and 1.81x with 3 (README)
     n_msa_layers=1,
     stream_loss_weight=0.3,  # alpha_j of Eq. 5; 0.3 drafted better than 0.1 at the same main val loss (README)
-    stream_targets="main",  # main (distil the main stream at t+j) | data (x_{t+1+j}, the paper's Eq. 5)
+    stream_targets="main",  # main (distil the main stream at t+j) | data (x_{t+1+j}, the paper's Eq. 5) | greedy
+    # (the main stream along its own greedy continuation: for a lossless fine-tune with freeze_base, README)
     stream_stride=2,  # streams at every k-th position of a batch: ~30% cheaper steps at k=2; 1 = all, as the paper
     stream_adapter_rank=0,  # > 0: low-rank stream-only adapters in the MSA layers (for freeze_base)
     n_medusa_heads=0,  # the Medusa baseline drafter instead of streams (use with --n_streams=0)

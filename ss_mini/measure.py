@@ -3,7 +3,8 @@
 Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
 included; passes = forward passes (prefill counted in both decoders); mean accepted
 tau = tokens per decode pass, root included; call-reduction CR = AR passes / SS passes;
-speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR. Anything compared is run
+speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR; repeat rate = share of the
+autoregressive output's 12-grams seen earlier in the same output. Anything compared is run
 interleaved in one process, so that the drift of the machine hits all of it alike.
 """
 import statistics
@@ -33,6 +34,21 @@ def run_pair(model, prompts, tree, kw):
                                      lambda p: generate_speculative(model, p, tree=tree, **kw)])
 
 
+def repeat_rate(outputs, n=12):
+    """Share of the n-grams of the outputs that already occurred earlier in the same output:
+    how much the decoded text repeats itself. A loop is easy to draft, so CR measures the
+    drafter and the text together; it compares models with different main streams only
+    at similar repeat rates (greedy decoding of a small model often falls into loops)."""
+    repeated = total = 0
+    for out in outputs:
+        seen = set()
+        for i in range(len(out) - n + 1):
+            gram = tuple(out[i:i + n])
+            repeated, total = repeated + (gram in seen), total + 1
+            seen.add(gram)
+    return repeated / total if total else 0.0
+
+
 def summarize(ar, ss):
     """The report's metrics from the (tokens, Stats) results of run_pair."""
     toks = lambda rs: sum(s.new_tokens for _, s in rs)
@@ -53,7 +69,7 @@ def summarize(ar, ss):
                 efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match), first_divergence=first,
                 ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
                 accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss),
-                mean_nodes=sum(nodes) / max(1, len(nodes)))
+                mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate([a for a, _ in ar]))
 
 
 def products(model, n, n_drafts=None):

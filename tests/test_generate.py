@@ -367,3 +367,12 @@ def test_products_are_those_of_a_tree_pass(drafter):
     assert seen == [(name, 1) for name, _ in expect[:13]]
     for h in hooks:
         h.remove()
+
+
+def test_repeat_rate():
+    """The share of n-grams that occurred earlier in the same output (per output, not across)."""
+    from ss_mini.measure import repeat_rate
+    assert repeat_rate([[1, 2, 3, 1, 2, 3, 1, 2, 3]], n=3) == 4 / 7  # 123 231 312 new, then 4 repeats
+    assert repeat_rate([list(range(20)), list(range(20))], n=3) == 0.0  # the same text in two outputs
+    assert repeat_rate([[7] * 5], n=2) == 3 / 4
+    assert repeat_rate([[1, 2]], n=3) == 0.0  # shorter than n: nothing to count

@@ -75,6 +75,7 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     assert [row["drafter"] for row in rows] == ["none", "streams (gamma=2, Ns=1)", "Medusa (K=2)"]
     assert rows[1]["draft_params"] == 32 and rows[2]["draft_params"] == 2 * (16 * 16 + 16 + 16 * trained.config.vocab_size)
     assert rows[1]["match_rate"] == rows[2]["match_rate"] == 1.0
+    assert all(0.0 <= row["repeat_rate"] <= 1.0 for row in rows)
 
 
 def test_bad_command_lines(tmp_path):
@@ -167,7 +168,7 @@ def test_bench_json(tiny_ckpt):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("ar_tokens_per_s", "ss_tokens_per_s", "speedup", "mean_accepted", "call_reduction", "efficiency",
-                "match_rate", "tree", "draft_params", "base_params", "device"):
+                "match_rate", "repeat_rate", "tree", "draft_params", "base_params", "device"):
         assert key in doc
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
 
