@@ -156,7 +156,8 @@ class StreamAdapter(nn.Module):
 
     def forward(self, linear, x, n):
         y = linear(x)
-        return torch.cat([y[:, :n], y[:, n:] + self.up(self.down(x[:, n:]))], dim=1)
+        y[:, n:] += self.up(self.down(x[:, n:]))  # in place: no copy of the main rows (linear's backward needs x, not y)
+        return y
 
 
 def dropout(x, p, training):
