@@ -453,8 +453,10 @@ class GPT(nn.Module):
         forcing with the data ("main") only approximates that; this computes it. It is a
         tree of main nodes over the batch, run with a KV cache like a decoding pass: the
         chain idx, then gamma levels, where level j holds, for every t, the argmax of level
-        j - 1 at position t + j (its parent). One pass per level, m rows each: a training
-        step pays about one forward of the batch plus gamma forwards of m rows per sequence.
+        j - 1 at position t + j (its parent; past the block the position is clamped, and
+        those targets are never used). One pass per level, m rows each: a training step
+        pays about one forward of the batch plus gamma forwards of m rows per sequence, and
+        holds B x m x gamma x V probabilities (mind GPT-2's vocabulary: lower batch_size).
         """
         B, T = idx.shape
         dev, g = idx.device, self.config.n_drafts
