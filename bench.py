@@ -38,7 +38,7 @@ from ss_mini.tree import make_tree
 
 config = dict(
     out_dir="out",
-    prompts="",  # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."}
+    prompts="",  # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} (the first few calibrate)
     num_prompts=12,
     prompt_tokens=64,  # length of a validation snippet
     max_new_tokens=256,
@@ -216,12 +216,16 @@ def decode_kwargs(cfg, tok):
 
 
 def pick_prompts(cfg, ckpt, tok):
-    """(prompts, calibration prompts): from --prompts, or held-out validation snippets where
-    every 4th calibrates the tree search, so the reported prompts are not the tuned ones."""
+    """(prompts, calibration prompts), disjoint, so that the reported prompts are not the ones
+    the tree search tuned on: held-out validation snippets where every 4th calibrates, or from
+    --prompts the first few calibrate and the rest are reported (a file with no more prompts
+    than that calibrates on the prompts it reports; bench then says so)."""
     n_cal = max(2, cfg["num_prompts"] // 3)
     if cfg["prompts"]:
         prompts = file_prompts(cfg["prompts"], tok)
-        return prompts, prompts[:n_cal]
+        if len(prompts) <= n_cal:
+            return prompts[:cfg["num_prompts"]], prompts
+        return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
     both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
     prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
     return prompts, both[3::4][:n_cal]
@@ -313,6 +317,9 @@ def main(argv=None):
     if cfg["tree"] != "auto":  # a tree that does not fit the model is an error before any work
         make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
+    if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):
+        log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree is tuned on the "
+            "prompts it is measured on (give more prompts, or --tree)")
     kw = decode_kwargs(cfg, tok)
     base, draft = model.param_counts()
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "

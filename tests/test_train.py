@@ -173,6 +173,26 @@ def test_bench_json(tiny_ckpt):
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
 
 
+def test_bench_keeps_calibration_prompts_apart(tmp_path):
+    """--prompts=FILE: the first num_prompts // 3 prompts tune the tree, the rest are reported;
+    a file with no more than that is used for both (and bench says so)."""
+    import json
+    import bench
+
+    class Tok:
+        encode = staticmethod(lambda text: [ord(c) for c in text])
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(7)))
+    cfg = dict(bench.config, prompts=str(path), num_prompts=12)
+    prompts, calibration = bench.pick_prompts(cfg, None, Tok)
+    assert calibration == [Tok.encode(f"prompt {i}") for i in range(4)]
+    assert prompts == [Tok.encode(f"prompt {i}") for i in range(4, 7)]
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
+    prompts, calibration = bench.pick_prompts(cfg, None, Tok)
+    assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
+
+
 def test_bench_pass_cost_json(tiny_ckpt):
     import json
     r = run("bench.py", f"--out_dir={tiny_ckpt}", "--pass_cost", "--json")
