@@ -424,7 +424,9 @@ class GPT(nn.Module):
         V = main.shape[-1]
         main_loss = F.cross_entropy(main.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
         loss, stream_losses = main_loss, []
-        greedy = self.greedy_continuation(idx, where) if self.config.stream_targets == "greedy" else None
+        greedy = None
+        if self.config.stream_targets == "greedy" and self.config.n_drafts:
+            greedy = self.greedy_continuation(idx, where)
         for j in range(1, self.config.n_drafts + 1):
             t = torch.arange(offset, T - j, k, device=idx.device)  # stream j at t has a target, x_{t+1+j}, if t + j < T
             s = stream[:, :len(t), j - 1]  # the positions rise, so those are the first len(t)

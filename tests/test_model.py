@@ -187,6 +187,8 @@ def test_streams_learn_the_main_streams_greedy_continuation(stride):
     torch.testing.assert_close(losses["loss"], total)
     assert not torch.allclose(losses["loss"], random_model(std=0.3, stream_stride=stride, stream_targets="main")
                               .train()(idx, tgt)[2]["loss"])  # and it is not what teacher forcing gives
+    plain = random_model(std=0.3, n_streams=0, stream_targets="greedy")  # no drafter: nothing to teach
+    torch.testing.assert_close(plain(idx, tgt)[2]["loss"], F.cross_entropy(plain(idx)[0].reshape(-1, 11), tgt.reshape(-1)))
 
 
 @pytest.mark.parametrize("targets", ["data", "main"])
