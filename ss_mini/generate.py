@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kvcache import KVCache
-from .model import attention_mask
+from .masks import attention_mask
 from .pruning import pruned_pass
 
 

@@ -12,7 +12,7 @@ are the gamma x d entries of P.
 
 One forward serves training and decoding. Its input is a set of main *nodes* (a
 chain for training, a tree draft for decoding) with an attention mask built from
-parent pointers by `tree_mask`, plus the indices of the nodes that carry streams.
+parent pointers (masks.py), plus the indices of the nodes that carry streams.
 With a `KVCache` (kvcache.py) the main keys/values of the nodes are appended after the cached
 prefix; streams are never cached, they read the main stream's cache. The forward is
 split at stream insertion (`forward_bottom`, `forward_top`) so that parallel tree
@@ -24,12 +24,12 @@ version (`StreamAdapter`), and the paper's baseline drafter, Medusa heads (`Medu
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .kvcache import KVCache
+from .masks import attention_mask
 from .pruning import PruningAdapter
 
 
@@ -70,59 +70,6 @@ class GPTConfig:
     def n_drafts(self):
         """How many future tokens the drafter proposes per position (gamma or K)."""
         return self.n_streams or self.n_medusa_heads
-
-
-def tree_mask(parents, prefix_len=0):
-    """Attention mask of main nodes with parent pointers: the one mask builder.
-
-    parents: sequence of ints, parents[i] < i, -1 for a root. Returns a bool tensor
-    (n, prefix_len + n), True = may attend: node u sees the cached prefix, its
-    ancestors and itself. A chain (parents = [-1, 0, 1, ...]) gives the causal mask
-    of training. Streams see what their node sees plus their own lower streams
-    (`stream_mask`).
-    """
-    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
-    n = len(parents)
-    if np.any(parents >= np.arange(n)):
-        raise ValueError("parents must point to earlier nodes (parents[i] < i)")
-    anc = np.eye(n, dtype=bool)
-    for i in np.flatnonzero(parents >= 0):  # row parents[i] is complete before row i
-        anc[i] |= anc[parents[i]]
-    return torch.from_numpy(np.pad(anc, ((0, 0), (prefix_len, 0)), constant_values=True))
-
-
-def stream_mask(mask, n_streams, stream_idx=None):
-    """Mask of the stream rows (Eq. 2), from the main mask (n, Lk) of `tree_mask`.
-
-    Stream rows are ordered (node, j) for the nodes in stream_idx (None = all). Keys
-    are [the Lk main keys; the stream rows]: stream (u, j) sees the main keys that u
-    sees and the streams (u, i <= j). Returns a bool tensor (m*g, Lk + m*g).
-    """
-    rows = mask if stream_idx is None else mask[stream_idx]
-    m, g = rows.shape[0], n_streams
-    tril = torch.tril(torch.ones(g, g, dtype=torch.bool, device=rows.device))
-    eye = torch.eye(m, dtype=torch.bool, device=rows.device)
-    own = (eye[:, None, :, None] & tril[None, :, None, :]).reshape(m * g, m * g)
-    return torch.cat([rows.repeat_interleave(g, dim=0), own], dim=1)
-
-
-def attention_mask(parents, n_streams=0, prefix_len=0, stream_idx=None, dtype=torch.bool, device="cpu"):
-    """The mask of one forward pass: rows [n main nodes; their streams], keys [cached prefix;
-    n main nodes; the stream rows], so main and stream rows share one attention call.
-
-    Main rows see what `tree_mask` allows and no stream (the main stream never attends to a
-    stream); stream rows follow `stream_mask` (Eq. 2). dtype=torch.bool: True = may attend;
-    a float dtype gives the additive form (0 or -inf) that SDPA uses without converting it on
-    every call. stream_idx: the nodes that carry streams (None = all; [] = none).
-    """
-    main = tree_mask(parents, prefix_len)
-    if n_streams and (stream_idx is None or len(stream_idx)):
-        streams = stream_mask(main, n_streams, stream_idx)
-        main = torch.cat([main, torch.zeros(main.shape[0], streams.shape[0], dtype=torch.bool)], dim=1)
-        main = torch.cat([main, streams], dim=0)
-    if dtype != torch.bool:
-        main = torch.zeros(main.shape, dtype=dtype).masked_fill_(~main, float("-inf"))
-    return main.to(device)
 
 
 class Linear(nn.Linear):
@@ -380,7 +327,7 @@ class GPT(nn.Module):
         per set of positions that carry streams, `where`; None = all)."""
         key = (T, device, where and (where.start, where.step))
         if key not in self._train_masks:
-            self._train_masks[key] = attention_mask(np.arange(T) - 1, self.config.n_streams,
+            self._train_masks[key] = attention_mask(range(-1, T - 1), self.config.n_streams,
                                                     stream_idx=where and list(where), device=device)
         return self._train_masks[key]
 

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from .model import attention_mask
+from .masks import attention_mask
 
 
 class TreeShape:

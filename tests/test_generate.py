@@ -314,7 +314,7 @@ def test_pruning_keeps_the_cache_consistent():
     """After a pruned pass the cache still equals a fresh prefill of the accepted text."""
     import numpy as np
     from ss_mini.kvcache import KVCache
-    from ss_mini.model import attention_mask
+    from ss_mini.masks import attention_mask
     from ss_mini.pruning import pruned_pass
     model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():

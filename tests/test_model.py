@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from conftest import random_model
 
 from ss_mini.kvcache import KVCache
-from ss_mini.model import GPT, GPTConfig, Linear, attention_mask, stream_mask, tree_mask
+from ss_mini.masks import attention_mask, stream_mask, tree_mask
+from ss_mini.model import GPT, GPTConfig, Linear
 
 
 def reference_gpt2(model, idx):

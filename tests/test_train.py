@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ss_mini.checkpoint import load_checkpoint, load_model
-from ss_mini.model import tree_mask
+from ss_mini.masks import tree_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=32", "--batch_size=4", "--eval_iters=2",
