@@ -177,7 +177,7 @@ def _prefill(model, ctx, cache, n_drafts):
     cache.reset()
     n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
     idx = torch.tensor([ctx], dtype=torch.long, device=dev)
-    mask = attention_mask(range(-1, n - 1), model._n_streams(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
+    mask = attention_mask(range(-1, n - 1), model.streams_in_pass(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
     main, hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
                                        stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
     cache.accept(n)

@@ -78,8 +78,8 @@ def products(model, n, n_drafts=None):
     them, g streams as in GPT.forward_nodes), the LM head on the n main rows and the draft
     logits of one node. n_drafts=0: an autoregressive pass (one row everywhere, no draft
     logits). Returns a function that runs them."""
-    cfg, w, g = model.config, model.lm_head.weight, model._n_streams(n_drafts)
-    first = model._first_msa(g)
+    cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(n_drafts)
+    first = model.first_msa_layer(g)
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
     x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width

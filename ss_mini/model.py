@@ -273,12 +273,12 @@ class GPT(nn.Module):
         x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
         return self.forward_top(x, mask, stream_idx, cache, n_drafts, last_only)
 
-    def _n_streams(self, n_drafts):
+    def streams_in_pass(self, n_drafts):
         """How many streams a pass with this n_drafts runs."""
         g = self.config.n_streams
         return g if n_drafts is None else min(g, n_drafts)
 
-    def _first_msa(self, g):
+    def first_msa_layer(self, g):
         """The first layer of a pass that runs g streams (n_layer: none, all layers are plain)."""
         cfg = self.config
         return cfg.n_layer - cfg.n_msa_layers if g else cfg.n_layer
@@ -289,21 +289,21 @@ class GPT(nn.Module):
         x = dropout(self.transformer.wte(idx) + self.transformer.wpe(pos), self.config.dropout, self.training)
         if mask is not None:  # the main rows' part: the prefix and the nodes, no stream keys
             mask = mask[:n, :mask.shape[1] - mask.shape[0] + n]
-        for i in range(self._first_msa(self._n_streams(n_drafts))):
+        for i in range(self.first_msa_layer(self.streams_in_pass(n_drafts))):
             x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
     def forward_top(self, x, mask=None, stream_idx=None, cache=None, n_drafts=None, last_only=False):
         """Stream insertion, the multi-stream attention layers and the heads (see forward_nodes)."""
         cfg = self.config
-        n, g = x.shape[1], self._n_streams(n_drafts)
+        n, g = x.shape[1], self.streams_in_pass(n_drafts)
         if g:  # stream insertion, Eq. 3: S_{t,j} = M_t + P_j
             src = x if stream_idx is None else x[:, stream_idx]
             x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb[:g]).flatten(1, 2)], dim=1)
             if mask is None:  # one node: it sees every key, its streams see it and their lower streams
                 L = cache.length if cache is not None else 0
                 mask = attention_mask([-1], g, L, dtype=x.dtype, device=x.device)
-        for i in range(self._first_msa(g), cfg.n_layer):
+        for i in range(self.first_msa_layer(g), cfg.n_layer):
             x = self.transformer.h[i](x, n, mask, cache, i)
         x = self.transformer.ln_f(x)
         drafts = None
