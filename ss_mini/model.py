@@ -77,16 +77,20 @@ class Linear(nn.Linear):
     entries times 2 to 64 rows (a pass over a tree draft) is computed as (W x^T)^T, the same
     product in the orientation that CPU BLAS (MKL here) runs fastest for few rows: at GPT-2
     width and 4 rows, 1.3-2.2x faster per layer, and the LM head takes 7 ms instead of 27 ms
-    (README, "What one step costs"). One row (a matrix-vector product) and training's
-    thousands of rows gain nothing; small weights would lose more to the extra reshapes
-    than they gain. All of them keep F.linear."""
+    (README, "What one step costs"). The result is copied back to row-major, F.linear's
+    layout, because the ops after it are fast only there: the next layer's product in this
+    orientation took 3x longer on a transposed input, and SDPA leaves its fused kernel for
+    a slow one when q, k, v come strided (a GPT-2-shaped pass over 4 nodes: 50 -> 40 ms).
+    One row (a matrix-vector product) and training's thousands of rows gain nothing; small
+    weights would lose more to the extra reshapes than they gain. All of them keep F.linear."""
 
     def forward(self, x):
         # the size test first: for small weights (every layer of the default model) it is the only one
         if self.in_features * self.out_features >= 1 << 18 and x.device.type == "cpu":
             rows = x.numel() // self.in_features
             if 1 < rows <= 64:
-                y = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T.reshape(*x.shape[:-1], self.out_features)
+                y = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T.contiguous()  # row-major again
+                y = y.view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
