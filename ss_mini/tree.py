@@ -48,8 +48,8 @@ class TreeShape:
                                    dtype=torch.long, device=device)
         # for speculative sampling: which children a node tries, and the depth whose candidates they hold
         self.max_children = max(len(c) for c in self.children)
-        self.tries = torch.tensor([[r < len(c) for r in range(width)] for c in self.children],
-                                  device=device)  # (n, width): node u has an (r+1)-th child
+        self.tries = torch.tensor([[float(r < len(c)) for r in range(width)] for c in self.children],
+                                  device=device)  # (n, width): 1.0 where node u has an (r+1)-th child
         self.cand_row = self.depth.clamp(max=n_drafts - 1)
         self.block_size = block_size
         self.full_mask = attention_mask(self.parents, n_drafts, block_size, dtype=dtype, device=device)

@@ -1,13 +1,14 @@
 """The decoders: greedy identity, lossless sampling, edge cases."""
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import random_model
 
 from ss_mini.checkpoint import load_model
-from ss_mini.generate import compiled, generate_ar, generate_speculative, target_probs
+from ss_mini.generate import Sampler, compiled, generate_ar, generate_speculative, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree
 
@@ -159,8 +160,10 @@ def _sample_counts(generate, n):
     return counts, accepted
 
 
-@pytest.mark.parametrize("spec", ["1,1", "3,2", "n6"])  # a chain, several children per node, a budget tree
-@pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
+# a chain, several children per node, a budget tree; and more children than top_k leaves tokens:
+# ranks 2 and 3 of "4,1" hold tokens that q never draws, tried after q's support is used up
+@pytest.mark.parametrize("spec, kw", [(spec, kw) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
+                         + [("4,1", dict(temperature=0.9, top_k=2))])
 def test_speculative_sampling_is_lossless(spec, kw):
     """The first tokens follow the exact distribution (by enumeration) for every tree and
     sampling setting, drafts are accepted and rejected, and impossible tokens never appear."""
@@ -174,6 +177,32 @@ def test_speculative_sampling_is_lossless(spec, kw):
     assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
     # both paths ran: drafts were accepted, and some pass stopped before the tree's depth (all children rejected)
     assert max(accepted) > 1 and min(accepted) < 3
+
+
+@pytest.mark.parametrize("children", [1, 2, 3, 5])
+@pytest.mark.parametrize("kw", SAMPLING + [dict(temperature=0.9, top_k=2)], ids=["T1", "top_k", "top_p", "top_k2"])
+def test_verify_emits_the_target_distribution(children, kw):
+    """The rule alone, with the power of many samples: 50,000 independent nodes, each with its
+    own draft distribution q and `children` candidates drawn from it without replacement,
+    some close to p and some far from it. The emitted tokens follow p exactly, and drafts are
+    both accepted and rejected."""
+    V, n = 6, 50_000
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(8, V, generator=gen) * 1.5  # 8 targets; each node's q: its target's logits plus noise
+    logits = base.repeat(n // 8, 1)
+    q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
+    sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
+    ranked, q = sampler.draft(q_logits, children)
+    shape = SimpleNamespace(cand_row=torch.arange(n), tries=torch.ones(n, children), max_children=children)
+    ys = sampler.verify(logits, q, ranked, shape)
+    p = target_probs(base, **kw)
+    for i in range(8):  # the nodes of target i: their tokens against p_i
+        got = torch.bincount(ys[i::8], minlength=V).tolist()
+        assert not [t for t in range(V) if p[i, t] == 0 and got[t]], "a token of probability 0 was emitted"
+        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)}, dict(enumerate(p[i].tolist())), n // 8)
+        assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
+    accepted = (ranked == ys[:, None]).any(1).sum().item()  # a rejected draft has no residual mass left
+    assert 100 < accepted < n - 100, f"{accepted} of {n} nodes accepted a draft"
 
 
 @pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
