@@ -96,41 +96,32 @@ def file_prompts(path, tok):
 
 
 def tree_search(model, calibration, cfg, kw, log):
-    """SS tokens/s (AR measured alongside) of every candidate tree that fits the model, on
-    the calibration prompts with at most 128 new tokens each; logs the table and returns
-    the spec of the fastest tree (`fastest`)."""
+    """SS tokens/s of every candidate tree that fits the model against one AR baseline, on the
+    calibration prompts with at most 128 new tokens each; logs the table and returns the spec
+    of the fastest tree. All decoders take turns on each prompt before the next prompt
+    starts, so a burst of load on this machine spreads over many candidates instead of
+    deciding one row."""
     g = model.config.n_drafts
     candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
-    rows = []
-    for spec in candidates:
-        tree = make_tree(spec, g)
-        rows.append((spec, len(tree), summarize(*run_pair(model, calibration, tree, kw))))
-    best, pooled = fastest(rows)
-    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each "
-        "(pooled: against the median autoregressive pass of all rows, what the search ranks by):")
-    log(f"{'tree':>8} {'nodes':>5} {'AR tok/s':>9} {'SS tok/s':>9} {'speedup':>8} {'pooled':>7} {'tau':>5} {'CR':>5} "
-        f"{'SS ms/pass':>10}")
-    for (spec, n, r), est in zip(rows, pooled):
-        log(f"{spec:>8} {n:>5} {r['ar_tokens_per_s']:9.0f} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
-            f"{est:6.2f}x {r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}"
-            + ("  <- best" if spec == best else ""))
-    ar = [r["ar_tokens_per_s"] for _, _, r in rows]
-    if max(ar) > 2 * min(ar):
-        unreliable(f"the autoregressive baseline ran at {min(ar):.0f} to {max(ar):.0f} tokens/s across the rows of "
-                   "the tree search")
-    return best
-
-
-def fastest(rows):
-    """The spec of the fastest tree among the search's rows (spec, nodes, summary), and each
-    row's speedup against a pooled baseline. Every row decodes the same autoregressive
-    outputs (same prompts, same seed), so its baseline is the median AR pass of all rows:
-    speedup = CR x AR ms/pass / SS ms/pass. A burst of load that slows one row's AR alone
-    (this machine has them) then cannot make that row's tree look fast."""
-    ar_ms = statistics.median(r["ar_ms_per_pass"] for _, _, r in rows)
-    pooled = [r["call_reduction"] * ar_ms / r["ss_ms_per_pass"] for _, _, r in rows]
-    return rows[max(range(len(rows)), key=pooled.__getitem__)][0], pooled
+    trees = [make_tree(spec, g) for spec in candidates]
+    ar, *ss = run_interleaved(calibration, [lambda p: generate_ar(model, p, **kw)] +
+                              [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
+    rows = [(spec, len(t), summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
+    best = max(rows, key=lambda row: row[2]["speedup"])
+    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
+        f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
+    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
+    for row in rows:
+        spec, n, r = row
+        log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
+            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}"
+            + ("  <- best" if row is best else ""))
+    ar_ms = [s.seconds / s.passes for _, s in ar]
+    if max(ar_ms) > 2 * min(ar_ms):
+        unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
+                   "calibration prompts of the tree search")
+    return best[0]
 
 
 def unreliable(what):
