@@ -135,7 +135,7 @@ class Sampler:
             return logits.argmax(-1)
         p = self.probs(logits)
         q, cand = q.index_select(0, shape.cand_row), ranked.index_select(0, shape.cand_row)  # per node: (n, V), (n, W)
-        u = torch.rand(cand.shape, generator=self.gen, device=cand.device)
+        u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
         ys = torch.full_like(cand[:, :1], -1)  # (n, 1); -1: no child accepted (yet)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * shape.tries[:, r:r + 1]

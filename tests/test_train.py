@@ -193,6 +193,38 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
 
 
+def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
+    """bench's tree search runs the autoregressive decoder and every candidate on one prompt
+    before the next prompt starts (so a burst of load spreads over the candidates), ranks every
+    tree against that one baseline and returns the fastest."""
+    import bench
+    from types import SimpleNamespace
+    from ss_mini.generate import Stats
+
+    calls = []
+
+    def fake_ar(model, prompt, **kw):
+        calls.append(("ar", prompt))
+        return [0] * 12, Stats(new_tokens=12, passes=12, accepted=[1] * 12, seconds=12e-3)
+
+    def fake_ss(model, prompt, tree, **kw):  # tokens a pass and ms a pass per tree
+        calls.append((repr(tree), prompt))
+        tau = {"1,1,1": 3, "n4": 2, "3,2,1": 4}[repr(tree)]
+        cost = {"1,1,1": 1.5, "n4": 1.5, "3,2,1": 3.0}[repr(tree)]  # 3,2,1: more tokens, dearer passes
+        passes = 12 // tau
+        return [0] * 12, Stats(new_tokens=12, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
+                               seconds=passes * cost * 1e-3)
+
+    monkeypatch.setattr(bench, "generate_ar", fake_ar)
+    monkeypatch.setattr(bench, "generate_speculative", fake_ss)
+    model = SimpleNamespace(config=SimpleNamespace(n_drafts=3))
+    cfg = dict(bench.config, candidates="1,1,1;n4;3,2,1")
+    best = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=12), lambda *a: None)
+    assert best == "1,1,1"  # 12 ms of AR against 6 ms (n4: 9 ms, 3,2,1: 9 ms)
+    assert [p for _, p in calls] == ["p0"] * 4 + ["p1"] * 4  # every decoder on p0, then on p1
+    assert sorted(d for d, p in calls if p == "p1") == sorted(["ar", "1,1,1", "n4", "3,2,1"])
+
+
 def test_bench_pass_cost_json(tiny_ckpt):
     import json
     r = run("bench.py", f"--out_dir={tiny_ckpt}", "--pass_cost", "--json")
