@@ -18,7 +18,7 @@ import torch
 from ss_mini.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
 from ss_mini.pretrained import find_gpt2_files
 from ss_mini.cli import UsageError, at_least, check, in_range, one_of, parse_args, pick_device, pick_dtype
-from ss_mini.data import Tokenizer, load_split, prepare
+from ss_mini.data import Tokenizer, fingerprint, load_split, prepare
 from ss_mini.model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- config
@@ -170,6 +170,7 @@ def main(argv=None):
         folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"])
     tokenizer = Tokenizer(meta)
     data = {s: load_split(folder, s) for s in ("train", "val")}
+    corpus = fingerprint(folder, meta)  # stored with every checkpoint: bench prints it
 
     # ------------------------------------------------------------------------- model
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
@@ -277,7 +278,7 @@ def main(argv=None):
                 if master and iter_num > start_iter and (val < ckpt_val or cfg["always_save_checkpoint"]):
                     save_checkpoint(make_checkpoint(
                         raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val,
-                        val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(),
+                        val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
                         train_seconds=time.time() - t_start), ckpt_path)
                     log(f"saved {ckpt_path} (val {val:.4f}" + ("" if val < ckpt_val else
                         f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")

@@ -212,5 +212,24 @@ def prepare(dataset="python", tokenizer="char", data_dir="data"):
     return out, meta
 
 
+def fingerprint(folder, meta):
+    """What a checkpoint records of its corpus, so that a reader can tell whether theirs is the same:
+    the source (for `python`, which interpreter's standard library), the token counts and a hash of
+    the tokenised splits."""
+    h = hashlib.sha256()
+    for split in ("train", "val"):
+        with open(os.path.join(folder, f"{split}.bin"), "rb") as f:
+            h.update(f.read())
+    return {"source": meta.get("source", "?"), "train_tokens": meta.get("train_tokens"),
+            "val_tokens": meta.get("val_tokens"), "sha256": h.hexdigest()[:16]}
+
+
+def describe_fingerprint(fp):
+    """One line for reports: the corpus a checkpoint was trained on."""
+    if not fp:
+        return "corpus not recorded (a checkpoint from an older train.py)"
+    return f"{fp['source']}; {fp['train_tokens']:,} train + {fp['val_tokens']:,} val tokens, sha256 {fp['sha256']}"
+
+
 def load_split(folder, split):
     return np.memmap(os.path.join(folder, f"{split}.bin"), dtype=np.uint16, mode="r")
