@@ -18,6 +18,7 @@ speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR. The two decoders
 the same prompts, interleaved, after a warm-up, so that drift of the machine hits both.
 """
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -32,7 +33,7 @@ from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.measure import pass_cost, repeat_rate, run_interleaved, run_pair, summarize
+from ss_mini.measure import copy_bandwidth, pass_cost, repeat_rate, run_interleaved, run_pair, step_bytes, summarize
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import make_tree
 
@@ -136,8 +137,8 @@ def train_bench(ckpt, device, steps, log):
     tcfg, res = ckpt["config"], {}
     for name in ("drafter", "plain"):
         config = model_config(ckpt["model_args"])
-        if name == "plain":
-            config.n_streams = config.n_medusa_heads = 0
+        if name == "plain":  # a new config, so that GPTConfig checks it
+            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0, prune_adapter_rank=0)
         torch.manual_seed(0)
         model = GPT(config).to(device)
         opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
@@ -283,8 +284,20 @@ def step_costs(cfg, device, dtype, log):
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
     log("the floor under it: what the tree pass's extra matrix-product rows alone cost, in autoregressive steps, plus 1:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in floors.items()))
+    ratios = list(costs.values())
+    if min(ratios) < 1.0 or any(b < a for a, b in zip(ratios, ratios[1:])):
+        print("warning: a step over more nodes costs less than one over fewer (or than the autoregressive step): the "
+              "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/kernels.py)",
+              file=sys.stderr, flush=True)
+    # the memory-bandwidth view: every step reads all weights and the KV cache once, whatever its node count
+    nbytes, roof = step_bytes(model, len(context)), copy_bandwidth(device, dtype)
+    log(f"bandwidth: a step reads {nbytes / 1e6:.1f} MB (weights and KV cache); this machine copies at "
+        f"{roof / 1e9:.1f} GB/s; the autoregressive step runs at {nbytes / ar_ms / 1e6:.1f} GB/s, "
+        f"{100 * nbytes / ar_ms * 1e3 / roof:.0f}% of it; a step over n nodes, for the same bytes:")
+    log("  " + "  ".join(f"n={n}: {nbytes / (r * ar_ms) / 1e6:.1f} GB/s" for n, r in costs.items()))
     result = {"pass_cost": {str(n): r for n, r in costs.items()}, "pass_cost_floor": {str(n): r for n, r in floors.items()},
-              "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+              "ar_ms_per_step": ar_ms, "cache_tokens": len(context), "step_bytes": nbytes,
+              "copy_bandwidth_gb_s": roof / 1e9, "ar_bandwidth_utilisation": nbytes / ar_ms * 1e3 / roof}
     if cfg["compile"]:
         costs, _, ar_ms = pass_cost(compiled(model), context)
         log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in compiled autoregressive "

@@ -72,14 +72,15 @@ def summarize(ar, ss):
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate([a for a, _ in ar]))
 
 
-def products(model, n, n_drafts=None):
-    """The matrix products of one pass over n nodes, alone: every Linear of every layer on the
-    rows that the pass carries (n main rows below the multi-stream layers, n (1 + g) rows in
-    them, g streams as in GPT.forward_nodes), the LM head on the n main rows and the draft
-    logits of one node. n_drafts=0: an autoregressive pass (one row everywhere, no draft
-    logits). Returns a function that runs them."""
+def products(model, n_nodes, n_drafts=None):
+    """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
+    the rows that the pass carries (n_nodes main rows below the multi-stream layers,
+    n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
+    rows and the draft logits of one node. n_drafts=0: an autoregressive pass (one row
+    everywhere, no draft logits). Returns a function that runs them."""
     cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(n_drafts)
     first = model.first_msa_layer(g)
+    n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
     x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
@@ -93,6 +94,34 @@ def products(model, n, n_drafts=None):
         if n_drafts != 0:
             model.draft_logits(drafts)
     return run
+
+
+def step_bytes(model, cache_len):
+    """Bytes one decoding step must read at least: every weight of the blocks and the LM head
+    once (an embedding row and a LayerNorm are negligible), and the keys and values of the
+    cached tokens in every layer. An autoregressive step and a tree pass read the same."""
+    cfg = model.config
+    blocks = sum(p.numel() * p.element_size() for name, p in model.transformer.h.named_parameters()
+                 if ".stream_adapter." not in name)
+    head = model.lm_head.weight
+    kv = cfg.n_layer * 2 * cache_len * cfg.n_embd * head.element_size()
+    return blocks + head.numel() * head.element_size() + kv
+
+
+def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
+    """This machine's memory bandwidth as a large tensor copy sees it (bytes read + written per
+    second, best of `repeats`): the roof that a memory-bound decoding step can approach."""
+    src = torch.ones(mb * 2**20 * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
 
 
 @torch.inference_mode()
