@@ -469,11 +469,12 @@ def bench(cfg, device, dtype, progress):
     r = over_runs([summarize(*run[:2]) for run in runs])
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
     lo, hi = r["speedup_range"]
-    answer = [f"speedup {r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}x over {len(runs)} runs), tree {tree} ({len(tree)} "
+    spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
+    answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree} ({len(tree)} "
               f"nodes), {mode_of(cfg['temperature'])}: {cfg['out_dir']}, {len(prompts)} {where} prompts x "
               f"{kw['max_new_tokens']} new tokens"] + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
-    log(f"\nthe median of {len(runs)} runs (speedups {', '.join(f'{x:.2f}x' for x in r['speedups'])}), "
-        f"{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {mode_of(cfg['temperature'])}, tree {tree} "
+    log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
+        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {mode_of(cfg['temperature'])}, tree {tree} "
         f"({len(tree)} nodes):")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")

@@ -94,6 +94,8 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"speedup {result['speedup']:.2f}x") and f"tree {result['tree']}" in out[0]
     assert "greedy" in out[0] and "over 2 runs" in out[0]
+    assert (result["repeat_rate"] > 0.5) == out[1].startswith("most of this speedup is drafting repeated text")
+    assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
 
 
 def test_shell_quote_survives_bash():
