@@ -474,8 +474,8 @@ def bench(cfg, device, dtype, progress):
               f"nodes), {mode_of(cfg['temperature'])}: {cfg['out_dir']}, {len(prompts)} {where} prompts x "
               f"{kw['max_new_tokens']} new tokens"] + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
     log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
-        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {mode_of(cfg['temperature'])}, tree {tree} "
-        f"({len(tree)} nodes):")
+        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {len(prompts)} prompts x {kw['max_new_tokens']} new "
+        f"tokens, {mode_of(cfg['temperature'])}, tree {tree} ({len(tree)} nodes):")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")

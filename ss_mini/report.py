@@ -37,8 +37,9 @@ def speedup_cell(x, lo, hi):
 
 def suite_markdown(doc):
     m, rows = doc["machine"], doc["rows"]
-    out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {m['threads']} threads, torch "
-           f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row the median of "
+    threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
+    out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch {m['torch']}, "
+           f"{m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row the median of "
            f"{doc['repeats']} runs (the range in brackets), the rows taking turns run by run.", "",
            "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ | CR | output repeats |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
