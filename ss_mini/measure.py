@@ -1,12 +1,24 @@
 """Measuring the decoders: interleaved runs, the report's metrics, and the cost of one step.
 
-Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
-included; passes = forward passes (prefill counted in both decoders); mean accepted
-tau = tokens per decode pass, root included; call-reduction CR = AR passes / SS passes;
-speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR; repeat rate = share of the
-autoregressive output's 12-grams seen earlier in the same output. Anything compared is run
-interleaved in one process, so that the drift of the machine hits all of it alike.
+Metrics (defined here only; bench.py reports them):
+- tokens/s: new tokens / wall time of the whole generation, prefill included, summed over
+  the prompts of a run (total tokens / total seconds).
+- passes: forward passes, the prefill counted in both decoders.
+- tau (mean accepted length): tokens per speculative decode pass, the root included.
+- call-reduction CR: AR passes / SS passes.
+- speedup: SS tokens/s / AR tokens/s; efficiency: speedup / CR (what a speculative pass
+  costs against a plain one, inverted).
+- repeat rate: the share of the autoregressive output's 12-grams that occurred earlier in
+  the same output (`repeat_rate`); above one half, most of the speedup is drafting
+  repeated text.
+- over repeated runs (`over_runs`): the speedup is the median run's and its range is the
+  lowest and highest run's; every other figure is the median run's (for an even count,
+  the lower of the two middle runs).
+Anything compared is run interleaved in one process, so that the drift of the machine
+hits all of it alike.
 """
+import os
+import platform
 import statistics
 import time
 
@@ -70,6 +82,34 @@ def summarize(ar, ss):
                 ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
                 accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss),
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate([a for a, _ in ar]))
+
+
+def over_runs(summaries):
+    """One summary of several runs of the same decoders on the same prompts: the median
+    run's metrics, with the speedup of every run and their range."""
+    speedups = [r["speedup"] for r in summaries]
+    median = sorted(range(len(summaries)), key=lambda i: speedups[i])[(len(summaries) - 1) // 2]
+    return {**summaries[median], "speedups": speedups, "speedup_range": [min(speedups), max(speedups)],
+            "runs": len(summaries), "median_run": median, "match_rate": min(r["match_rate"] for r in summaries)}
+
+
+def prompt_speedups(ar, ss):
+    """The speedup on each prompt of one run: its SS tokens/s / its AR tokens/s."""
+    return [(s.new_tokens / s.seconds) / (a.new_tokens / a.seconds) for (_, a), (_, s) in zip(ar, ss)]
+
+
+def machine(device, dtype):
+    """What the numbers were measured on: the processor (the GPU's name on CUDA), threads,
+    torch version and dtype."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or "unknown processor"
+        if os.path.exists("/proc/cpuinfo"):
+            models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+            name = models[0] if models else name
+    return dict(processor=name, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
+                dtype=str(dtype).replace("torch.", ""))
 
 
 def products(model, n_nodes, n_drafts=None):
