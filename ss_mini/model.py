@@ -102,8 +102,8 @@ class MultiStreamAttention(nn.Module):
             k, v = cache.write(layer, qkv[1:])
         # mask=None: every row sees every key (one token, no streams)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_dropout(y) if self.training else y  # decoding skips the call: no dropout to do
 
 
 class MLP(nn.Module):
@@ -119,7 +119,8 @@ class MLP(nn.Module):
         h = self.c_fc(x)
         if self.stream_adapter is not None:
             h = self.stream_adapter(x, h, n_main)
-        return self.dropout(self.c_proj(self.gelu(h)))
+        y = self.c_proj(self.gelu(h))
+        return self.dropout(y) if self.training else y
 
 
 class Block(nn.Module):
@@ -233,7 +234,8 @@ class GPT(nn.Module):
     def forward_bottom(self, idx, pos, mask=None, cache=None, n_drafts=None):
         """Embeddings and the layers below stream insertion: main rows only."""
         n = idx.shape[1]
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(x) if self.training else x
         if mask is not None:  # the main rows' part: the prefix and the nodes, no stream keys
             mask = mask[:n, :mask.shape[1] - mask.shape[0] + n]
         for i in range(self.first_msa_layer(self.streams_in_pass(n_drafts))):
