@@ -10,6 +10,7 @@
     python bench.py --pass_cost            # what one speculative step costs, in autoregressive steps
     python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
+    python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
 
 Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
 included; passes = forward passes (prefill counted in both decoders); mean accepted
@@ -28,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from ss_mini import plot
 from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
 from ss_mini.data import load_split, prepare
@@ -60,6 +62,7 @@ config = dict(
     pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
     shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
     compile=False,  # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
+    plot="",  # FILE.png: the tree search's speedup and tau against tree nodes (needs matplotlib)
 )
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
@@ -100,7 +103,7 @@ def tree_search(model, calibration, cfg, kw, log):
     calibration prompts with at most 128 new tokens each; logs the table and returns the spec
     of the fastest tree. All decoders take turns on each prompt before the next prompt
     starts, so a burst of load on this machine spreads over many candidates instead of
-    deciding one row."""
+    deciding one row. Returns (the spec, the rows (spec, nodes, summary)) for --plot."""
     g = model.config.n_drafts
     candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
@@ -121,7 +124,7 @@ def tree_search(model, calibration, cfg, kw, log):
     if max(ar_ms) > 2 * min(ar_ms):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
                    "calibration prompts of the tree search")
-    return best[0]
+    return best[0], rows
 
 
 def unreliable(what):
@@ -194,7 +197,7 @@ def compare(dirs, cfg, device, dtype, log):
         if model.config.n_drafts:
             spec = cfg["tree"]
             if spec == "auto":
-                spec = tree_search(model, calibration, cfg, kw, lambda *a: None)
+                spec, _ = tree_search(model, calibration, cfg, kw, lambda *a: None)
             row.update(summarize(*run_pair(model, prompts, make_tree(spec, model.config.n_drafts), kw)), tree=spec)
         else:
             outs = [generate_ar(model, p, **kw) for p in prompts]
@@ -296,6 +299,9 @@ def step_costs(cfg, device, dtype, log):
 def main(argv=None):
     cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost"))
     check(cfg, RULES)
+    if cfg["plot"]:  # matplotlib, the file and a tree search to draw, before any work
+        searched = (cfg["tree"] == "auto" or cfg["sweep"]) and not (cfg["compare"] or cfg["pass_cost"])
+        plot.check(cfg["plot"], searched)
     for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
         make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
     device = pick_device(cfg["device"])
@@ -332,7 +338,10 @@ def main(argv=None):
     result = {}
     spec = cfg["tree"]
     if cfg["sweep"] or spec == "auto":
-        best = tree_search(model, calibration, cfg, kw, log)
+        best, rows = tree_search(model, calibration, cfg, kw, log)
+        if cfg["plot"]:
+            plot.tree_search(rows, best, cfg["plot"], f"{cfg['out_dir']}, {len(calibration)} calibration prompts")
+            log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)
     if cfg["profile"]:

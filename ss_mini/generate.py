@@ -245,19 +245,21 @@ def walk(ys, tokens, children):
         u = c
 
 
-def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0):
+def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0, on_pass=None):
     """One forward pass of Speculative Streaming: verify the tree drafted from q, draft the next.
 
     root: (1,) the next token, decided but not yet cached; q: (tree.n_drafts, V) the draft logits
     of the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
     first), now cached; y, the token after them (the next root, also as a (1,) tensor); the
-    next draft logits; the number of nodes verified.
+    next draft logits; the number of nodes verified. on_pass: called with what the pass drafted,
+    verified and accepted (a dict; trace.py records it), or None.
     """
     L = cache.length
     # 1. tree draft: candidates ranked per depth, placed into the tree's shape
     ranked, q_probs = sampler.draft(q, tree.width)
     shape = tree.shape(q, max_depth)
     tokens = shape.tokens(root, ranked)
+    drafted = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
         tokens, shape, logits, hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
@@ -270,16 +272,20 @@ def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_thre
     path, y = walk(ys, toks, shape.children)
     # 4. accept: keep the path's K/V; the streams of its last node draft the next step
     cache.accept(path)
+    if on_pass is not None:
+        on_pass(dict(cache_length=L, q=q, q_probs=q_probs, drafted_tokens=drafted[0], drafted_shape=drafted[1],
+                     tokens=toks, shape=shape, ys=ys, path=path, next_root=y, n_drafts=tree.n_drafts))
     u = path[-1]
     return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(hidden[0, u]), shape.n
 
 
 @torch.inference_mode()
 def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
-                         eot=None, on_tokens=None, prune_threshold=0.0):
+                         eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only)."""
+    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only).
+    on_pass: called after each decode pass with what it did (see speculative_step; trace.py)."""
     cfg = model.config
     if prune_threshold and not cfg.prune_adapter_rank:
         raise ValueError("prune_threshold needs a model trained with a pruning adapter (--prune_adapter_rank=8)")
@@ -310,7 +316,8 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
             _, q = _prefill(model, ctx, cache, tree.n_drafts)
             stats.passes += 1
         max_depth = T - 1 - cache.length  # positions stay < block_size
-        path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold)
+        path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold,
+                                                on_pass)
         ctx.extend(path)
         stats.passes += 1
         stats.accepted.append(len(path))

@@ -1,0 +1,73 @@
+"""Figures of bench.py's measurements: bench.py --plot=FILE.png draws the tree search.
+
+matplotlib is an optional extra (pip install -e ".[plot]"); nothing imports it until a
+figure is drawn, and `check` says how to get it before any work starts.
+"""
+import os
+import tempfile
+
+from .cli import UsageError
+
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def check(path, searched=True):
+    """Before any work: matplotlib is there, the file can be written, and a tree search runs."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError('--plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
+    if os.path.splitext(path)[1].lower() not in FORMATS:
+        raise UsageError(f"--plot={path}: give a file name ending in {', '.join(FORMATS)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--plot={path}: the folder {folder} does not exist; create it or pick another path")
+    if not searched:
+        raise UsageError("--plot draws the tree search of one model: use --tree=auto or --sweep, "
+                         "without --compare or --pass_cost")
+
+
+def tree_search(rows, best, path, title=""):
+    """Speedup and tau of each candidate tree against its node count, the chosen tree marked,
+    autoregressive decoding at 1.0 on both. rows: (spec, nodes, bench summary) of
+    bench.tree_search; best: the chosen spec. Cartesian trees are dots, node budgets squares
+    joined by a line (one family). Written atomically (temp file, then os.replace)."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no window
+
+    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True)
+    for ax, key, label in ((axes[0], "speedup", "speedup over autoregressive"),
+                           (axes[1], "mean_accepted", "\u03c4: tokens per pass, root included")):
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.text(1, 1.0, " autoregressive", color="gray", va="bottom", fontsize=8)
+        budget = sorted((n, r[key]) for spec, n, r in rows if spec.startswith("n"))
+        if budget:
+            ax.plot(*zip(*budget), "s-", color="tab:orange", markersize=5, linewidth=1, label="node budget (nN)")
+        cart = [(n, r[key]) for spec, n, r in rows if not spec.startswith("n")]
+        if cart:
+            ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6, label="top-k per depth (k,k,k)")
+        for spec, n, r in rows:
+            ax.annotate(spec, (n, r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if spec == best:
+                ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3, label=f"chosen: {spec}")
+        ax.set_xlabel("tree nodes verified per pass")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ticks = [2 ** k for k in range(8) if min(n for _, n, _ in rows) / 2 <= 2 ** k <= 2 * max(n for _, n, _ in rows)]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    folder = os.path.dirname(os.path.abspath(path))
+    ext = os.path.splitext(path)[1]
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plot-", suffix=ext)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=ext[1:].lower())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
