@@ -340,7 +340,7 @@ def main(argv=None):
     if cfg["sweep"] or spec == "auto":
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"{cfg['out_dir']}, {len(calibration)} calibration prompts")
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts")
             log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)

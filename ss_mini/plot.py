@@ -34,29 +34,34 @@ def tree_search(rows, best, path, title=""):
     joined by a line (one family). Written atomically (temp file, then os.replace)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no window
 
-    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, label in ((axes[0], "speedup", "speedup over autoregressive"),
                            (axes[1], "mean_accepted", "\u03c4: tokens per pass, root included")):
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        ax.text(1, 1.0, " autoregressive", color="gray", va="bottom", fontsize=8)
+        ax.annotate("autoregressive", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(3, 3),
+                    textcoords="offset points", color="gray", fontsize=8)
         budget = sorted((n, r[key]) for spec, n, r in rows if spec.startswith("n"))
         if budget:
             ax.plot(*zip(*budget), "s-", color="tab:orange", markersize=5, linewidth=1, label="node budget (nN)")
         cart = [(n, r[key]) for spec, n, r in rows if not spec.startswith("n")]
         if cart:
             ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6, label="top-k per depth (k,k,k)")
-        for spec, n, r in rows:
-            ax.annotate(spec, (n, r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for spec, n, r in rows:  # budget labels above their points, Cartesian ones below: they share node counts
+            ax.annotate(spec, (n, r[key]), textcoords="offset points", fontsize=7,
+                        xytext=(4, 4) if spec.startswith("n") else (4, -10))
             if spec == best:
                 ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3, label=f"chosen: {spec}")
-        ax.set_xlabel("tree nodes verified per pass")
+        ax.set_xlabel("nodes in the tree")
         ax.set_ylabel(label)
         ax.set_xscale("log", base=2)
-        ticks = [2 ** k for k in range(8) if min(n for _, n, _ in rows) / 2 <= 2 ** k <= 2 * max(n for _, n, _ in rows)]
+        lo, hi = min(n for _, n, _ in rows), max(n for _, n, _ in rows)
+        ax.set_xlim(lo / 1.4, hi * 1.4)
+        ticks = [2 ** k for k in range(9) if lo / 1.4 <= 2 ** k <= hi * 1.4]
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
+        ax.margins(y=0.1)
     axes[0].legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title, fontsize=10)
