@@ -124,8 +124,8 @@ def main(argv=None):
         if trace:
             trace.finish(prompt, out)
             trace.save(cfg["trace"])
-            print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include recording it)",
-                  file=sys.stderr)
+            print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include "
+                  "recording it)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 (`generate_speculative`). Both return (new tokens, Stats) and call `on_tokens` with each
 pass's tokens as soon as they are final. Each is a loop around one step function
 (`ar_step`, `speculative_step`), which bench.py also times on its own; `compiled(model)`
-gives both the same model with its forward pass compiled.
+gives both the same model with its forward pass compiled. `on_pass`, when given, receives
+what each speculative pass drafted, verified and accepted (sample.py --trace, trace.py).
 
 One speculative step (paper §3.2), `speculative_step`:
   1. tree draft: root r (the next token, already decided) plus candidates ranked per
@@ -273,8 +274,9 @@ def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_thre
     # 4. accept: keep the path's K/V; the streams of its last node draft the next step
     cache.accept(path)
     if on_pass is not None:
-        on_pass(dict(cache_length=L, q=q, q_probs=q_probs, drafted_tokens=drafted[0], drafted_shape=drafted[1],
-                     tokens=toks, shape=shape, ys=ys, path=path, next_root=y, n_drafts=tree.n_drafts))
+        on_pass(dict(cache_length=L, draft_logits=q, draft_probs=q_probs, drafted_tokens=drafted[0],
+                     drafted_shape=drafted[1], tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
+                     n_drafts=tree.n_drafts))
     u = path[-1]
     return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(hidden[0, u]), shape.n
 

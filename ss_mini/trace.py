@@ -84,9 +84,10 @@ def record(step, decode):
     kept = kept_nodes(drafted, shape)
     # the probability of each node's token under the draft distribution it came from: q after
     # temperature, top-k and top-p when sampling, softmax(q) when greedy (the drafts are its top-k)
-    probs = step["q_probs"] if step["q_probs"] is not None else torch.softmax(step["q"].float(), dim=-1)
-    q_prob = [None] + probs[torch.tensor(drafted.depths[1:], dtype=torch.long) - 1,
-                            torch.tensor(tokens[1:], dtype=torch.long)].tolist()
+    probs = step["draft_probs"]
+    if probs is None:
+        probs = torch.softmax(step["draft_logits"].float(), dim=-1)
+    q_prob = [None] + probs[drafted.depth[1:] - 1, step["drafted_tokens"][1:]].tolist()
     emitted = [None] * drafted.n
     for i, u in enumerate(kept):
         emitted[u] = step["ys"][i]

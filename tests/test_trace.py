@@ -54,7 +54,7 @@ def traced(case, prompt=(1, 2, 3), n=60):
     trace = Trace(decode, tree=spec)
 
     def on_pass(step):
-        steps.append(dict(q=step["q"].clone(), L=step["cache_length"]))
+        steps.append(dict(q=step["draft_logits"].clone(), L=step["cache_length"]))
         trace.on_pass(step)
 
     out, stats = generate_speculative(model, list(prompt), n, tree, on_pass=on_pass, **kw)
