@@ -1,8 +1,11 @@
 """Measure Speculative Streaming against KV-cached autoregressive decoding, in one process.
 
     python bench.py                        # default checkpoint (out/), held-out prompts, greedy
+    python bench.py --temperature=0.8      # sampling: the realistic number (greedy is the exactness check)
+    python bench.py --suite                # every row of the README's results table, and a worked example
     python bench.py --tree=3,2,1           # the paper's Cartesian tree; --tree=n16 a 16-node budget
-    python bench.py --tree=auto            # pick the fastest tree on calibration prompts first
+    python bench.py --tree=auto            # pick the tree on calibration prompts first (the default)
+    python bench.py --repeats=5            # one tree search, then 5 measurement runs: median and range
     python bench.py --sweep                # tokens/s over tree shapes and budgets, best marked
     python bench.py --profile              # where a speculative step spends its time
     python bench.py --train_steps=10       # also ms/iter of training with and without streams
@@ -12,13 +15,13 @@
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
     python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
 
-Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
-included; passes = forward passes (prefill counted in both decoders); mean accepted
-tau = tokens per decode pass, root included; call-reduction CR = AR passes / SS passes;
-speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR. The two decoders run on
-the same prompts, interleaved, after a warm-up, so that drift of the machine hits both.
+The report's first line is the answer: the median speedup over --repeats runs with its
+range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
+tau, CR, speedup, efficiency, repeat rate, median and range) are defined in
+ss_mini/measure.py.
 """
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -31,11 +34,13 @@ import torch
 
 from ss_mini import plot
 from ss_mini.checkpoint import load_model
-from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype
-from ss_mini.data import load_split, prepare
+from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
+from ss_mini.data import describe_fingerprint, load_split, prepare
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.measure import pass_cost, repeat_rate, run_interleaved, run_pair, summarize
+from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, prompt_speedups, repeat_rate,
+                             run_interleaved, run_pair, step_bytes, summarize)
 from ss_mini.model import GPT, GPTConfig
+from ss_mini.report import shell_quote, suite_markdown
 from ss_mini.tree import make_tree
 
 config = dict(
@@ -50,6 +55,11 @@ config = dict(
     seed=1337,
     tree="auto",  # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, or auto
     candidates="1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",  # trees auto and sweep try
+    calibration_tokens=128,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
+    tie_margin=0.05,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
+    repeats=3,  # measurement runs after one tree search: the report gives the median speedup and its range
+    suite=False,  # every row of the README's results table and a worked example, as Markdown (or --json)
+    suite_dirs="out,out-shakespeare",  # CODE_DIR,PROSE_DIR: the two checkpoints --suite measures
     sweep=False,
     profile=False,
     train_steps=0,  # > 0: also time this many training steps with and without streams
@@ -67,7 +77,10 @@ config = dict(
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
              train_steps=at_least(0), threads=at_least(0), prune_threshold=in_range(0.0, 1.0),
-             prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"))
+             calibration_tokens=at_least(1), tie_margin=in_range(0.0, 1.0, hi_open=True), repeats=at_least(1),
+             prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"),
+             suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")), "two folders, CODE_DIR,PROSE_DIR"))
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def validation_prompts(ckpt, tok, n, length):
@@ -100,31 +113,55 @@ def file_prompts(path, tok):
 
 def tree_search(model, calibration, cfg, kw, log):
     """SS tokens/s of every candidate tree that fits the model against one AR baseline, on the
-    calibration prompts with at most 128 new tokens each; logs the table and returns the spec
-    of the fastest tree. All decoders take turns on each prompt before the next prompt
-    starts, so a burst of load on this machine spreads over many candidates instead of
-    deciding one row. Returns (the spec, the rows (spec, nodes, summary)) for --plot."""
+    calibration prompts with calibration_tokens new tokens each (at most max_new_tokens);
+    logs the table and returns the spec of the tree to measure: among the trees within
+    tie_margin of the fastest, the one with the fewest nodes, then the highest tau (a
+    near-tie is the machine's noise, and the smaller tree is the one that two runs agree
+    on). Every decoder is warmed up on the first prompt; then all take turns on each prompt
+    before the next prompt starts, so a burst of load on this machine spreads over many
+    candidates instead of deciding one row. Returns (that spec, the rows (spec, nodes, summary))."""
     g = model.config.n_drafts
     candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
-    kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 128)}
+    kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
-    ar, *ss = run_interleaved(calibration, [lambda p: generate_ar(model, p, **kw)] +
-                              [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
+    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)] +
+                           [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
+    run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
+    ar, *ss = run_interleaved(calibration, decoders(kw))
     rows = [(spec, len(t), summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
-    best = max(rows, key=lambda row: row[2]["speedup"])
+    fastest = max(rows, key=lambda row: row[2]["speedup"])
+    near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
+    best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
     log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
         f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
     log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
     for row in rows:
         spec, n, r = row
+        mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
+        if row is best and row is not fastest:
+            mark += f" (the fewest nodes within {cfg['tie_margin']:.0%} of the fastest)"
         log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
-            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}"
-            + ("  <- best" if row is best else ""))
+            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}" + mark)
     ar_ms = [s.seconds / s.passes for _, s in ar]
     if max(ar_ms) > 2 * min(ar_ms):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
                    "calibration prompts of the tree search")
     return best[0], rows
+
+
+def choose_tree(model, calibration, cfg, kw, log):
+    """The tree to measure: --tree, or the tree search's pick (--tree=auto); then this very
+    tree object, whose shapes are built on first use, warms up on the calibration prompts."""
+    spec = cfg["tree"]
+    if spec == "auto" or cfg["sweep"]:
+        best, rows = tree_search(model, calibration, cfg, kw, log)
+        if cfg["plot"]:
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts")
+            log(f"tree search plotted in {cfg['plot']}")
+        spec = best if spec == "auto" else spec
+    tree = make_tree(spec, model.config.n_drafts)
+    run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
+    return tree
 
 
 def unreliable(what):
@@ -139,8 +176,8 @@ def train_bench(ckpt, device, steps, log):
     tcfg, res = ckpt["config"], {}
     for name in ("drafter", "plain"):
         config = model_config(ckpt["model_args"])
-        if name == "plain":
-            config.n_streams = config.n_medusa_heads = 0
+        if name == "plain":  # a new config, so that GPTConfig checks it
+            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0, prune_adapter_rank=0)
         torch.manual_seed(0)
         model = GPT(config).to(device)
         opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
@@ -190,16 +227,14 @@ def compare(dirs, cfg, device, dtype, log):
             kw = decode_kwargs(cfg, tok)
         elif (tok.meta(), ckpt["config"]["dataset"]) != first:
             raise UsageError(f"{d} was trained on other data than {dirs[0]}: compare models of one dataset")
-        generate_ar(model, calibration[0], **{**kw, "max_new_tokens": 32})  # warm-up
         base, draft = model.param_counts()
         row = dict(model=d, drafter=describe(model.config), draft_params=draft, base_params=base,
                    val_loss=val_loss(model, ckpt))
         if model.config.n_drafts:
-            spec = cfg["tree"]
-            if spec == "auto":
-                spec, _ = tree_search(model, calibration, cfg, kw, lambda *a: None)
-            row.update(summarize(*run_pair(model, prompts, make_tree(spec, model.config.n_drafts), kw)), tree=spec)
+            tree = choose_tree(model, calibration, cfg, kw, lambda *a: None)  # and its warm-up
+            row.update(summarize(*run_pair(model, prompts, tree, kw)), tree=str(tree))
         else:
+            generate_ar(model, calibration[0], **{**kw, "max_new_tokens": 32})  # warm-up
             outs = [generate_ar(model, p, **kw) for p in prompts]
             row["ar_tokens_per_s"] = sum(s.new_tokens for _, s in outs) / sum(s.seconds for _, s in outs)
             row["repeat_rate"] = repeat_rate([o for o, _ in outs])
@@ -286,8 +321,20 @@ def step_costs(cfg, device, dtype, log):
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
     log("the floor under it: what the tree pass's extra matrix-product rows alone cost, in autoregressive steps, plus 1:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in floors.items()))
+    ratios = list(costs.values())
+    if min(ratios) < 1.0 or any(b < a for a, b in zip(ratios, ratios[1:])):
+        print("warning: a step over more nodes costs less than one over fewer (or than the autoregressive step): the "
+              "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/kernels.py)",
+              file=sys.stderr, flush=True)
+    # the memory-bandwidth view: every step reads all weights and the KV cache once, whatever its node count
+    nbytes, roof = step_bytes(model, len(context)), copy_bandwidth(device, dtype)
+    log(f"bandwidth: a step reads {nbytes / 1e6:.1f} MB (weights and KV cache); this machine copies at "
+        f"{roof / 1e9:.1f} GB/s; the autoregressive step runs at {nbytes / ar_ms / 1e6:.1f} GB/s, "
+        f"{100 * nbytes / ar_ms * 1e3 / roof:.0f}% of it; a step over n nodes, for the same bytes:")
+    log("  " + "  ".join(f"n={n}: {nbytes / (r * ar_ms) / 1e6:.1f} GB/s" for n, r in costs.items()))
     result = {"pass_cost": {str(n): r for n, r in costs.items()}, "pass_cost_floor": {str(n): r for n, r in floors.items()},
-              "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+              "ar_ms_per_step": ar_ms, "cache_tokens": len(context), "step_bytes": nbytes,
+              "copy_bandwidth_gb_s": roof / 1e9, "ar_bandwidth_utilisation": nbytes / ar_ms * 1e3 / roof}
     if cfg["compile"]:
         costs, _, ar_ms = pass_cost(compiled(model), context)
         log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in compiled autoregressive "
@@ -296,36 +343,125 @@ def step_costs(cfg, device, dtype, log):
     return result
 
 
-def main(argv=None):
-    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost"))
-    check(cfg, RULES)
-    if cfg["plot"]:  # matplotlib, the file and a tree search to draw, before any work
-        searched = (cfg["tree"] == "auto" or cfg["sweep"]) and not (cfg["compare"] or cfg["pass_cost"])
-        plot.check(cfg["plot"], searched)
-    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
-        make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
-    device = pick_device(cfg["device"])
-    dtype = pick_dtype(cfg["dtype"], device)
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
-    out = sys.stderr if cfg["json"] else sys.stdout  # with --json, stdout holds only the JSON document
-    log = lambda *a: print(*a, file=out, flush=True)
-    if cfg["pass_cost"]:
-        result = step_costs(cfg, device, getattr(torch, dtype), log)
-        if cfg["json"]:
-            print(json.dumps(result))
-        return result
-    if cfg["compare"]:
-        rows = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
-        if cfg["json"]:
-            print(json.dumps(rows))
-        return rows
+SUITE = (  # the README's results table: (checkpoint: 0 = code, 1 = prose; prompts, "" = held-out; temperature)
+    (0, "", 0.0), (0, "", 0.8), (0, "prompts/code_unseen.jsonl", 0.0),
+    (1, "", 0.0), (1, "", 0.8), (1, "prompts/prose_unseen.jsonl", 0.0))
+TRAIN = ("python train.py", "python train.py --dataset=shakespeare")  # what makes each checkpoint of --suite
+NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost", "compile",
+                  "prune_threshold", "train_steps")
+ROW_FLAGS = ("num_prompts", "prompt_tokens", "max_new_tokens", "top_k", "top_p", "seed", "tree", "candidates",
+             "calibration_tokens", "tie_margin", "repeats", "device", "dtype", "threads")  # into each row's command
+
+
+def flags(cfg, keys, defaults):
+    """--key=value for every key whose value differs from its default."""
+    return [f"--{k}={cfg[k]:g}" if isinstance(cfg[k], float) else f"--{k}={shell_quote(str(cfg[k]))}"
+            for k in keys if cfg[k] != defaults[k]]
+
+
+def sample_command(cfg, text, tree):
+    """The sample.py command that decodes `text` as bench did: with --speculative and `tree`,
+    or autoregressively (tree None)."""
+    import sample
+    keys = ["max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "dtype", "threads"]
+    if cfg["temperature"] == 0:  # greedy decoding ignores top-k and top-p
+        keys = [k for k in keys if k not in ("top_k", "top_p")]
+    return " ".join(["python sample.py", *flags(cfg, ("out_dir",), sample.config), f"--start={shell_quote(text)}",
+                     *flags(cfg, keys, sample.config)] + ([f"--speculative --tree={tree}"] if tree else []))
+
+
+def suite(cfg, device, dtype, progress):
+    """--suite: every row of SUITE in one process. Every prompt is read and every tree chosen
+    first; then the rows take turns, run by run, so that the drift of the machine spreads
+    over all of them. Returns the JSON document that suite_markdown renders."""
+    t0 = time.perf_counter()
+    dirs = cfg["suite_dirs"].split(",")
+    for d, make in zip(dirs, TRAIN):
+        if not os.path.isfile(os.path.join(d, "ckpt.pt")):
+            make += "" if (d, make) == ("out", TRAIN[0]) else f" --out_dir={d}"
+            raise UsageError(f"--suite needs {os.path.join(d, 'ckpt.pt')}: make it with `{make}`, or point "
+                             "--suite_dirs=CODE_DIR,PROSE_DIR at other checkpoints")
+    loaded = [load_model(d, device, getattr(torch, dtype)) for d in dirs]
+    for d, (model, _, _) in zip(dirs, loaded):
+        if model.config.n_drafts == 0:
+            raise UsageError(f"{d} has no drafter (n_streams=0): --suite measures models with streams")
+        if cfg["tree"] != "auto":
+            make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
+    rows, work = [], []
+    for m, file, temperature in SUITE:
+        model, tok, ckpt = loaded[m]
+        rcfg = dict(cfg, out_dir=dirs[m], prompts=os.path.join(ROOT, file) if file else "", temperature=temperature)
+        prompts, calibration = pick_prompts(rcfg, ckpt, tok)
+        command = " ".join(["python bench.py", *flags(rcfg, ("out_dir", "temperature"), config)]
+                           + [f"--prompts={file}"] * bool(file) + flags(cfg, ROW_FLAGS, config))
+        rows.append(dict(checkpoint=dirs[m], dataset=ckpt["config"]["dataset"], prompts=file or "held-out",
+                         n_prompts=len(prompts), temperature=temperature, command=command,
+                         decoding="greedy" if temperature == 0 else f"T = {temperature:g}"))
+        work.append(dict(model=model, tok=tok, cfg=rcfg, prompts=prompts, calibration=calibration,
+                         kw=decode_kwargs(rcfg, tok)))
+    for i, (row, w) in enumerate(zip(rows, work)):
+        progress(f"suite: row {i + 1}/{len(rows)} ({row['checkpoint']}, {row['prompts']}, {row['decoding']}): "
+                 "tree search")
+        w["tree"] = choose_tree(w["model"], w["calibration"], w["cfg"], w["kw"], lambda *a: None)
+    runs = [[] for _ in rows]
+    for k in range(cfg["repeats"]):
+        progress(f"suite: run {k + 1}/{cfg['repeats']} of every row")
+        for w, row_runs in zip(work, runs):
+            row_runs.append(run_pair(w["model"], w["prompts"], w["tree"], w["kw"]))
+    for row, w, row_runs in zip(rows, work, runs):
+        row.update(over_runs([summarize(*run) for run in row_runs]), tree=str(w["tree"]), tree_nodes=len(w["tree"]))
+        if row["efficiency"] > 1:
+            unreliable(f"{row['command']}: efficiency {row['efficiency']:.2f} > 1 (a speculative pass cannot cost "
+                       "less than a plain one)")
+    progress(f"suite: done in {time.perf_counter() - t0:.0f} s")
+    return dict(machine=machine(device, dtype), repeats=cfg["repeats"], max_new_tokens=cfg["max_new_tokens"],
+                checkpoints=[dict(checkpoint=d, dataset=ckpt["config"]["dataset"], corpus=ckpt.get("corpus"))
+                             for d, (_, _, ckpt) in zip(dirs, loaded)],
+                rows=rows, worked_example=worked_example(work[0], work[1], runs[0], runs[1]))
+
+
+def worked_example(greedy, sampled, greedy_runs, sampled_runs):
+    """Of the first row's prompts (held-out code), the one whose greedy tau is the median (the
+    lower middle for an even count, ties to the earlier prompt): representative, not picked by
+    hand. Its greedy and sampled continuations, the tau and speedup (median and range over the
+    runs) of each on it, and the sample.py commands that reproduce them."""
+    assert greedy["prompts"] == sampled["prompts"]
+    taus = [stats.mean_accepted for _, stats in greedy_runs[0][1]]
+    i = sorted(range(len(taus)), key=lambda j: (taus[j], j))[(len(taus) - 1) // 2]
+    text = greedy["tok"].decode(greedy["prompts"][i])
+    example = dict(prompt_index=i, n_prompts=len(taus), greedy_taus=taus, prompt=text)
+    for name, w, runs in (("greedy", greedy, greedy_runs), ("sampled", sampled, sampled_runs)):
+        tokens, stats = runs[0][1][i]
+        speedups = [prompt_speedups(*run)[i] for run in runs]
+        example[name] = dict(temperature=w["cfg"]["temperature"], tree=str(w["tree"]), tau=stats.mean_accepted,
+                             speedup=statistics.median_low(speedups), speedup_range=[min(speedups), max(speedups)],
+                             repeat_rate=repeat_rate([tokens]), continuation=w["tok"].decode(tokens),
+                             commands=[sample_command(w["cfg"], text, t) for t in (w["tree"], None)])
+    return example
+
+
+def mode_of(temperature):
+    return "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
+
+
+def repeats_note(rate):
+    """What the report says when the speedup is mostly that of drafting loops."""
+    return (f"most of this speedup is drafting repeated text: {rate:.0%} of the output's 12-grams occurred earlier "
+            "in it" if rate > 0.5 else "")
+
+
+def bench(cfg, device, dtype, progress):
+    """`python bench.py`: the tree (searched, or --tree), then --repeats measurement runs of
+    both decoders, interleaved on every prompt. Returns the JSON result and the report, whose
+    first line is the answer."""
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
     if cfg["tree"] != "auto":  # a tree that does not fit the model is an error before any work
         make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
+    details = []
+    log = details.append
     if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):
         log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree is tuned on the "
             "prompts it is measured on (give more prompts, or --tree)")
@@ -334,16 +470,9 @@ def main(argv=None):
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
         f"{device} {dtype}, {torch.get_num_threads()} threads")
-    run_pair(model, calibration[:1], make_tree("n4", model.config.n_drafts), {**kw, "max_new_tokens": 32})  # warm-up
-    result = {}
-    spec = cfg["tree"]
-    if cfg["sweep"] or spec == "auto":
-        best, rows = tree_search(model, calibration, cfg, kw, log)
-        if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts")
-            log(f"tree search plotted in {cfg['plot']}")
-        spec = best if spec == "auto" else spec
-    tree = make_tree(spec, model.config.n_drafts)
+    log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
+    progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
+    tree = choose_tree(model, calibration, cfg, kw, log)
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
     decoders = [lambda p: generate_ar(model, p, **kw), lambda p: generate_speculative(model, p, tree=tree, **kw)]
@@ -352,10 +481,20 @@ def main(argv=None):
         run_pair(fast, calibration, tree, kw)  # compiles each kind of pass (prefill, one token, tree)
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
         decoders += [lambda p: generate_ar(fast, p, **kw), lambda p: generate_speculative(fast, p, tree=tree, **kw)]
-    ar, ss, *fast_runs = run_interleaved(prompts, decoders)  # eager (and compiled) decoders, interleaved
-    r = summarize(ar, ss)
-    mode = "greedy" if cfg["temperature"] == 0 else f"sampling, temperature {cfg['temperature']}"
-    log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {mode}, tree {tree} ({len(tree)} nodes):")
+    runs = []
+    for i in range(cfg["repeats"]):  # eager (and compiled) decoders, interleaved on every prompt
+        progress(f"bench: run {i + 1}/{cfg['repeats']}")
+        runs.append(run_interleaved(prompts, decoders))
+    r = over_runs([summarize(*run[:2]) for run in runs])
+    where = "held-out" if not cfg["prompts"] else cfg["prompts"]
+    lo, hi = r["speedup_range"]
+    spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
+    answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree} ({len(tree)} "
+              f"nodes), {mode_of(cfg['temperature'])}: {cfg['out_dir']}, {len(prompts)} {where} prompts x "
+              f"{kw['max_new_tokens']} new tokens"] + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
+    log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
+        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {len(prompts)} prompts x {kw['max_new_tokens']} new "
+        f"tokens, {mode_of(cfg['temperature'])}, tree {tree} ({len(tree)} nodes):")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
@@ -367,15 +506,17 @@ def main(argv=None):
         unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
     if cfg["temperature"] == 0:
         div = r["first_divergence"]
-        log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts"
+        log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the lowest of all runs)"
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
+    result = {}
     if cfg["compile"]:
-        c = summarize(*fast_runs)
-        log(f"  with torch.compile: autoregressive {c['ar_tokens_per_s']:.1f} tokens/s "
-            f"({c['ar_tokens_per_s'] / r['ar_tokens_per_s']:.2f}x eager), speculative {c['ss_tokens_per_s']:.1f} "
-            f"({c['ss_tokens_per_s'] / r['ss_tokens_per_s']:.2f}x eager): speedup {c['speedup']:.2f}x over compiled "
-            f"autoregressive, {c['ss_tokens_per_s'] / r['ar_tokens_per_s']:.2f}x over eager"
+        c = summarize(*runs[r["median_run"]][2:])
+        m = summarize(*runs[r["median_run"]][:2])
+        log(f"  with torch.compile (the median run): autoregressive {c['ar_tokens_per_s']:.1f} tokens/s "
+            f"({c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x eager), speculative {c['ss_tokens_per_s']:.1f} "
+            f"({c['ss_tokens_per_s'] / m['ss_tokens_per_s']:.2f}x eager): speedup {c['speedup']:.2f}x over compiled "
+            f"autoregressive, {c['ss_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x over eager"
             + (f"; greedy outputs identical on {100 * c['match_rate']:.0f}% of prompts" if cfg["temperature"] == 0 else ""))
         result["compiled"] = c
     if cfg["prune_threshold"]:
@@ -395,7 +536,44 @@ def main(argv=None):
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
     result.update(r, tree=str(tree), tree_nodes=len(tree), draft_params=draft, base_params=base, device=device,
                   dtype=dtype, threads=torch.get_num_threads(), prompts=len(prompts),
-                  max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"])
+                  max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
+                  machine=machine(device, dtype), report=answer[0])
+    return result, answer + details
+
+
+def main(argv=None):
+    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost", "suite"))
+    check(cfg, RULES)
+    if cfg["plot"]:  # matplotlib, the file and one tree search to draw, before any work
+        searched = (cfg["tree"] == "auto" or cfg["sweep"]) and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"])
+        plot.check(cfg["plot"], searched)
+    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
+        make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
+    if cfg["suite"]:
+        clash = [k for k in NOT_WITH_SUITE if cfg[k] != config[k]]
+        if clash:
+            raise UsageError(f"--{clash[0]} does not combine with --suite, which runs its own rows "
+                             "(--suite_dirs=CODE_DIR,PROSE_DIR picks the checkpoints)")
+    else:
+        warn_unused(cfg, config, ("suite_dirs",), "without --suite")
+    device = pick_device(cfg["device"])
+    dtype = pick_dtype(cfg["dtype"], device)
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    out = sys.stderr if cfg["json"] else sys.stdout  # with --json, stdout holds only the JSON document
+    log = lambda *a: print(*a, file=out, flush=True)
+    # what it is doing, for a person at a terminal; piped, stderr holds only warnings and (--json) the report
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else (lambda line: None)
+    if cfg["pass_cost"]:
+        result = step_costs(cfg, device, getattr(torch, dtype), log)
+    elif cfg["compare"]:
+        result = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
+    elif cfg["suite"]:
+        result = suite(cfg, device, dtype, progress)
+        log(suite_markdown(result))
+    else:
+        result, report = bench(cfg, device, dtype, progress)
+        log("\n".join(report))
     if cfg["json"]:
         print(json.dumps(result))
     return result

@@ -1,10 +1,16 @@
 """Sample from a trained model, autoregressively or with Speculative Streaming.
 
-    python sample.py                                  # plain KV-cached decoding
+    python sample.py                                  # plain KV-cached decoding, T = 0.8, top-k 200
     python sample.py --speculative                    # one pass verifies a tree draft and drafts the next
+    python sample.py --speculative --temperature=0    # greedy: the same text as without --speculative
     python sample.py --speculative --tree=n16 --start="def main():"
-    python sample.py --start=FILE:prompt.txt --temperature=0.8 --top_p=0.95
+    python sample.py --start=FILE:prompt.txt --top_p=0.95
     python sample.py --speculative --trace=trace.html # every pass's tree, verification and mask, as a page
+
+The sampling defaults are nanoGPT's (temperature 0.8, top-k 200). Sampling with
+--speculative draws from the same distribution as plain decoding, not the same draws;
+greedy decoding (--temperature=0) gives the same text with and without --speculative,
+token for token: that is the exactness check.
 
 stdout holds only the samples (prompt + continuation, separated by a line of dashes);
 per-sample statistics and diagnostics go to stderr. With --speculative on a terminal,
@@ -29,15 +35,15 @@ config = dict(
     start="\n",  # the prompt, or FILE:path to read it from a file
     num_samples=1,
     max_new_tokens=500,
-    temperature=0.0,  # 0 = greedy
-    top_k=0,  # 0 = off
+    temperature=0.8,  # 0 = greedy (the exactness check: the same text with and without --speculative)
+    top_k=200,  # 0 = off
     top_p=1.0,  # 1.0 = off
     seed=1337,
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     speculative=False,
     tree="chain",  # chain (top-1 at every depth), top-k per depth (the paper's Cartesian tree, e.g. 3,2,1), nN for N nodes
-    prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank)
+    prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank; greedy only)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
     compile=False,  # compile the forward pass (torch.compile): the first sample pays about a minute on a CPU
@@ -64,6 +70,9 @@ def main(argv=None):
     check(cfg, RULES)
     if not cfg["speculative"]:
         warn_unused(cfg, config, ("tree", "prune_threshold", "color"), "without --speculative")
+    elif cfg["prune_threshold"] and cfg["temperature"] > 0:
+        raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at --temperature="
+                         f"{cfg['temperature']}): add --temperature=0")
     if cfg["trace"]:
         if not cfg["speculative"]:
             raise UsageError("--trace records the passes of speculative decoding: add --speculative")
@@ -107,7 +116,7 @@ def main(argv=None):
                   seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
         trace = None
         if cfg["trace"] and i == 0:
-            trace = Trace(tok.decode, model=cfg["out_dir"], tree=str(tree), temperature=cfg["temperature"],
+            trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree), temperature=cfg["temperature"],
                           top_k=cfg["top_k"], top_p=cfg["top_p"], prune_threshold=cfg["prune_threshold"],
                           seed=cfg["seed"])
         if speculative:

@@ -19,6 +19,7 @@ from ss_mini.checkpoint import load_checkpoint, make_checkpoint, model_config, s
 from ss_mini.pretrained import find_gpt2_files
 from ss_mini.cli import UsageError, at_least, check, in_range, one_of, parse_args, pick_device, pick_dtype
 from ss_mini.data import Tokenizer, fingerprint, load_split, prepare
+from ss_mini.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- config
@@ -201,7 +202,7 @@ def main(argv=None):
         if unexpected or [k for k in missing if not GPT.is_draft_param(k)]:
             raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
         if any(k.startswith("medusa_heads.") for k in missing):
-            model.init_medusa_heads()  # new heads start from the loaded base head
+            init_medusa_heads(model)  # new heads start from the loaded base head
         if resume:
             iter_num, ckpt_val = ckpt["iter_num"], ckpt.get("val_loss", ckpt.get("best_val_loss"))
     if cfg["freeze_base"]:

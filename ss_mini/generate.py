@@ -17,8 +17,11 @@ One speculative step (paper §3.2), `speculative_step`:
      carries y_u; the last y is the next root                       -> Sampler.verify, `walk`
   4. accept: keep the path's K/V in the cache (compaction); its last node's streams
      are the next drafts                                             -> kvcache.py, KVCache.accept
-Greedy outputs are token-for-token those of `generate_ar`; sampled outputs follow exactly
-the distribution of plain sampling (lossless), but not the same random draws.
+Greedy outputs are those of `generate_ar`, token for token up to float near-ties (a tree
+pass multiplies other matrix shapes than a one-token pass, so two nearly equal logits can
+swap; bench.py reports the share of identical outputs, and the tests check equality in
+float64); sampled outputs follow exactly the distribution of plain sampling (lossless), but
+not the same random draws.
 
 Context longer than block_size: both decoders use the same sliding-window rule. When
 the cache is full they rebuild it from the last block_size // 2 tokens (one prefill
@@ -75,9 +78,8 @@ def _race(weights, gen):
     """Keys of the exponential race, log(U) / w = -E / w with E = -log U ~ Exp(1) drawn per entry:
     their argmax is a draw from the weights w (normalised or not), their top k in order a draw
     of k without replacement (Gumbel-top-k), and a token of weight 0 gets -inf, never drawn
-    while another can be; no host sync (gpt-fast samples so). E = -log U: on a CPU, uniform_
-    and log_ take a quarter of the time of exponential_ (which needs 23 ns an entry: about 6 ms
-    for five rows of GPT-2's 50,257 logits)."""
+    while another can be; no host sync (gpt-fast samples so). E comes as -log U because
+    uniform_ and log_ are cheaper than exponential_ on a CPU (docs/sampling.md)."""
     return torch.empty_like(weights).uniform_(generator=gen).log_() / weights
 
 
@@ -117,27 +119,31 @@ class Sampler:
     def pick(self, logits):  # (n, V) -> (n,)
         return logits.argmax(-1) if self.gen is None else _race(self.probs(logits), self.gen).argmax(-1)
 
-    def draft(self, q, width):
-        """(ranked candidates (depths, width), draft probabilities or None when greedy) from q (depths, V)."""
+    def draft(self, draft_logits, width):
+        """(ranked candidates (depths, width), draft probabilities (depths, V) or None when
+        greedy) from the draft logits (depths, V) of the last accepted position."""
         if self.gen is None:
-            return torch.topk(q, width, dim=-1).indices, None
-        q = self.probs(q)
-        return torch.topk(_race(q, self.gen), width, dim=-1).indices, q
+            return torch.topk(draft_logits, width, dim=-1).indices, None
+        draft_probs = self.probs(draft_logits)
+        return torch.topk(_race(draft_probs, self.gen), width, dim=-1).indices, draft_probs
 
-    def verify(self, logits, q, ranked, shape):
-        """The token the target emits at each node (n,): argmax, or speculative sampling
-        (recursive rejection over the node's children; see the class docstring). All nodes
-        run each round together; in round r a node tries its (r+1)-th child if it has one and
-        has accepted none. The others sit the round out with q = 0, which leaves their p as it
-        is. A candidate that was never drawn (q's support smaller than the width: the race
-        ranks tokens with q(x) = 0 last) comes after every token of the support, so by its
-        round q is all zero: it is never accepted and leaves p as it is too."""
+    def verify(self, main_logits, draft_probs, ranked, shape):
+        """The token the target emits at each node (n_nodes,): argmax, or speculative sampling
+        (recursive rejection over the node's children; see the class docstring, and
+        tests/test_generate.py `verify_reference` for the same rule one node at a time).
+
+        Vectorised over the nodes: in round r every node that has an (r+1)-th child and has
+        accepted none tries it; the others sit the round out with q = 0 (`shape.tries`), which
+        leaves their p as it is. A candidate that was never drawn (q's support smaller than
+        the width: the race ranks tokens with q(x) = 0 last) comes after every token of the
+        support, so by its round q is all zero: it is never accepted and leaves p as it is too."""
         if self.gen is None:
-            return logits.argmax(-1)
-        p = self.probs(logits)
-        q, cand = q.index_select(0, shape.cand_row), ranked.index_select(0, shape.cand_row)  # per node: (n, V), (n, W)
+            return main_logits.argmax(-1)
+        p = p_target = self.probs(main_logits)  # (n_nodes, V)
+        q = draft_probs.index_select(0, shape.cand_row)  # each node's draft distribution: that of its children's depth
+        cand = ranked.index_select(0, shape.cand_row)  # (n_nodes, width): child r holds cand[:, r]
         u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
-        ys = torch.full_like(cand[:, :1], -1)  # (n, 1); -1: no child accepted (yet)
+        ys = torch.full_like(cand[:, :1], -1)  # (n_nodes, 1); -1: no child accepted (yet)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * shape.tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
@@ -147,7 +153,9 @@ class Sampler:
             if r + 1 < shape.max_children:  # ... normalised; x leaves q, renormalised; accepted nodes are done
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
                 q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
-        return torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1, keepdim=True)).view(-1)  # none accepted: p
+        # none accepted: draw from the residual; where p ~ q made it underflow to all zeros, from p itself
+        p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
+        return torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1, keepdim=True)).view(-1)
 
 
 def compiled(model):
@@ -181,18 +189,18 @@ def _prefill(model, ctx, cache, n_drafts):
     n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
     idx = torch.tensor([ctx], dtype=torch.long, device=dev)
     mask = attention_mask(range(-1, n - 1), model.streams_in_pass(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
-    main, hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
-                                       stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
+    main_logits, draft_hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
+                                                    stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
     cache.accept(n)
-    return main[0, -1], (model.draft_logits(hidden[0, -1]) if n_drafts != 0 else None)
+    return main_logits[0, -1], (model.draft_logits(draft_hidden[0, -1]) if n_drafts != 0 else None)
 
 
 def ar_step(model, cache, root, sampler, positions):
     """One autoregressive pass: cache the root (1,), return the token after it (1,)."""
     L = cache.length
-    logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
+    main_logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
     cache.accept(1)
-    return sampler.pick(logits[0])
+    return sampler.pick(main_logits[0])
 
 
 @torch.inference_mode()
@@ -206,8 +214,8 @@ def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_
     positions = torch.arange(T, device=dev)
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, _ = _prefill(model, ctx, cache, n_drafts=0)
-    root = sampler.pick(logits[None])  # (1,): stays on the device, it is the next input
+    main_logits, _ = _prefill(model, ctx, cache, n_drafts=0)
+    root = sampler.pick(main_logits[None])  # (1,): stays on the device, it is the next input
     stats.passes = 1
     out = []
     while True:
@@ -246,39 +254,40 @@ def walk(ys, tokens, children):
         u = c
 
 
-def speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold=0.0, on_pass=None):
-    """One forward pass of Speculative Streaming: verify the tree drafted from q, draft the next.
+def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0, on_pass=None):
+    """One forward pass of Speculative Streaming: verify the tree drafted from draft_logits, draft the next.
 
-    root: (1,) the next token, decided but not yet cached; q: (tree.n_drafts, V) the draft logits
-    of the last accepted position. Returns (path, y, root, q, nodes): the path's tokens (root
-    first), now cached; y, the token after them (the next root, also as a (1,) tensor); the
-    next draft logits; the number of nodes verified. on_pass: called with what the pass drafted,
-    verified and accepted (a dict; trace.py records it), or None.
+    root: (1,) the next token, decided but not yet cached; draft_logits: (tree.n_drafts, V) the
+    streams' logits at the last accepted position. Returns (path, y, root, draft_logits,
+    n_nodes): the path's tokens (root first), now cached; y, the token after them (the next
+    root, also as a (1,) tensor); the next draft logits; the number of nodes verified.
+    on_pass: called with what the pass drafted, verified and accepted (a dict; trace.py
+    records it), or None.
     """
     L = cache.length
     # 1. tree draft: candidates ranked per depth, placed into the tree's shape
-    ranked, q_probs = sampler.draft(q, tree.width)
-    shape = tree.shape(q, max_depth)
+    ranked, draft_probs = sampler.draft(draft_logits, tree.width)
+    shape = tree.shape(draft_logits, max_depth)
     tokens = shape.tokens(root, ranked)
     drafted = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
-        tokens, shape, logits, hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
+        tokens, shape, main_logits, draft_hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
     else:
-        logits, hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache,
-                                             n_drafts=tree.n_drafts)
+        main_logits, draft_hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache,
+                                                        n_drafts=tree.n_drafts)
     # 3. verify: the token the target emits at every node; walk while a child carries it
-    ys_t = sampler.verify(logits[0], q_probs, ranked, shape)
+    ys_t = sampler.verify(main_logits[0], draft_probs, ranked, shape)
     ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
     path, y = walk(ys, toks, shape.children)
     # 4. accept: keep the path's K/V; the streams of its last node draft the next step
     cache.accept(path)
     if on_pass is not None:
-        on_pass(dict(cache_length=L, draft_logits=q, draft_probs=q_probs, drafted_tokens=drafted[0],
+        on_pass(dict(cache_length=L, draft_logits=draft_logits, draft_probs=draft_probs, drafted_tokens=drafted[0],
                      drafted_shape=drafted[1], tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
                      n_drafts=tree.n_drafts))
     u = path[-1]
-    return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(hidden[0, u]), shape.n
+    return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(draft_hidden[0, u]), shape.n_nodes
 
 
 @torch.inference_mode()
@@ -304,8 +313,8 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     cache = KVCache(cfg, T + len(tree) * (1 + cfg.n_streams), device=dev, dtype=dtype)  # + tentative slots
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     stats = Stats()
-    logits, q = _prefill(model, ctx, cache, tree.n_drafts)
-    root = sampler.pick(logits[None])
+    main_logits, draft_logits = _prefill(model, ctx, cache, tree.n_drafts)
+    root = sampler.pick(main_logits[None])
     stats.passes = 1
     out = [root.item()]
     if out[0] == eot:
@@ -315,20 +324,20 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     while out and out[-1] != eot and len(out) < max_new_tokens:
         if cache.length == T:  # sliding window, the same rule as generate_ar
             ctx = ctx[-(T // 2):]
-            _, q = _prefill(model, ctx, cache, tree.n_drafts)
+            _, draft_logits = _prefill(model, ctx, cache, tree.n_drafts)
             stats.passes += 1
         max_depth = T - 1 - cache.length  # positions stay < block_size
-        path, y, root, q, n = speculative_step(model, cache, root, q, tree, sampler, max_depth, prune_threshold,
-                                                on_pass)
+        path, y, root, draft_logits, n_nodes = speculative_step(model, cache, root, draft_logits, tree, sampler,
+                                                                max_depth, prune_threshold, on_pass)
         ctx.extend(path)
-        stats.passes += 1
-        stats.accepted.append(len(path))
-        stats.nodes.append(n)
-        new = path[1:] + [y]
+        new = path[1:] + [y]  # the pass's tokens: the root was emitted by the pass before
         if eot is not None and eot in new:
             new = new[:new.index(eot) + 1]
         new = new[:max_new_tokens - len(out)]
         out.extend(new)
+        stats.passes += 1
+        stats.accepted.append(len(new))  # tau counts what a pass emitted, so a pass cut short counts less
+        stats.nodes.append(n_nodes)
         if on_tokens:
             on_tokens([t for t in new if t != eot])
     if out and out[-1] == eot:

@@ -1,12 +1,24 @@
 """Measuring the decoders: interleaved runs, the report's metrics, and the cost of one step.
 
-Metrics (defined once): tokens/s = new tokens / wall time of the whole generation, prefill
-included; passes = forward passes (prefill counted in both decoders); mean accepted
-tau = tokens per decode pass, root included; call-reduction CR = AR passes / SS passes;
-speedup = SS tokens/s / AR tokens/s; efficiency = speedup / CR; repeat rate = share of the
-autoregressive output's 12-grams seen earlier in the same output. Anything compared is run
-interleaved in one process, so that the drift of the machine hits all of it alike.
+Metrics (defined here only; bench.py reports them):
+- tokens/s: new tokens / wall time of the whole generation, prefill included, summed over
+  the prompts of a run (total tokens / total seconds).
+- passes: forward passes, the prefill counted in both decoders.
+- tau (mean accepted length): tokens per speculative decode pass, the root included.
+- call-reduction CR: AR passes / SS passes.
+- speedup: SS tokens/s / AR tokens/s; efficiency: speedup / CR (what a speculative pass
+  costs against a plain one, inverted).
+- repeat rate: the share of the autoregressive output's 12-grams that occurred earlier in
+  the same output (`repeat_rate`); above one half, most of the speedup is drafting
+  repeated text.
+- over repeated runs (`over_runs`): the speedup is the median run's and its range is the
+  lowest and highest run's; every other figure is the median run's (for an even count,
+  the lower of the two middle runs).
+Anything compared is run interleaved in one process, so that the drift of the machine
+hits all of it alike.
 """
+import os
+import platform
 import statistics
 import time
 
@@ -72,14 +84,43 @@ def summarize(ar, ss):
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate([a for a, _ in ar]))
 
 
-def products(model, n, n_drafts=None):
-    """The matrix products of one pass over n nodes, alone: every Linear of every layer on the
-    rows that the pass carries (n main rows below the multi-stream layers, n (1 + g) rows in
-    them, g streams as in GPT.forward_nodes), the LM head on the n main rows and the draft
-    logits of one node. n_drafts=0: an autoregressive pass (one row everywhere, no draft
-    logits). Returns a function that runs them."""
+def over_runs(summaries):
+    """One summary of several runs of the same decoders on the same prompts: the median
+    run's metrics, with the speedup of every run and their range."""
+    speedups = [r["speedup"] for r in summaries]
+    median = sorted(range(len(summaries)), key=lambda i: speedups[i])[(len(summaries) - 1) // 2]
+    return {**summaries[median], "speedups": speedups, "speedup_range": [min(speedups), max(speedups)],
+            "runs": len(summaries), "median_run": median, "match_rate": min(r["match_rate"] for r in summaries)}
+
+
+def prompt_speedups(ar, ss):
+    """The speedup on each prompt of one run: its SS tokens/s / its AR tokens/s."""
+    return [(s.new_tokens / s.seconds) / (a.new_tokens / a.seconds) for (_, a), (_, s) in zip(ar, ss)]
+
+
+def machine(device, dtype):
+    """What the numbers were measured on: the processor (the GPU's name on CUDA), threads,
+    torch version and dtype."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or "unknown processor"
+        if os.path.exists("/proc/cpuinfo"):
+            models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+            name = models[0] if models else name
+    return dict(processor=name, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
+                dtype=str(dtype).replace("torch.", ""))
+
+
+def products(model, n_nodes, n_drafts=None):
+    """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
+    the rows that the pass carries (n_nodes main rows below the multi-stream layers,
+    n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
+    rows and the draft logits of one node. n_drafts=0: an autoregressive pass (one row
+    everywhere, no draft logits). Returns a function that runs them."""
     cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(n_drafts)
     first = model.first_msa_layer(g)
+    n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
     x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
@@ -93,6 +134,34 @@ def products(model, n, n_drafts=None):
         if n_drafts != 0:
             model.draft_logits(drafts)
     return run
+
+
+def step_bytes(model, cache_len):
+    """Bytes one decoding step must read at least: every weight of the blocks and the LM head
+    once (an embedding row and a LayerNorm are negligible), and the keys and values of the
+    cached tokens in every layer. An autoregressive step and a tree pass read the same."""
+    cfg = model.config
+    blocks = sum(p.numel() * p.element_size() for name, p in model.transformer.h.named_parameters()
+                 if ".stream_adapter." not in name)
+    head = model.lm_head.weight
+    kv = cfg.n_layer * 2 * cache_len * cfg.n_embd * head.element_size()
+    return blocks + head.numel() * head.element_size() + kv
+
+
+def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
+    """This machine's memory bandwidth as a large tensor copy sees it (bytes read + written per
+    second, best of `repeats`): the roof that a memory-bound decoding step can approach."""
+    src = torch.ones(mb * 2**20 * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ def check(path, searched=True):
         raise UsageError(f"--plot={path}: the folder {folder} does not exist; create it or pick another path")
     if not searched:
         raise UsageError("--plot draws the tree search of one model: use --tree=auto or --sweep, "
-                         "without --compare or --pass_cost")
+                         "without --compare, --pass_cost or --suite")
 
 
 def tree_search(rows, best, path, title=""):

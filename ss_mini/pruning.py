@@ -34,12 +34,12 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
     draft hidden states) of the surviving nodes, root first. The bottom layers' cached K/V
     of the kept nodes move to slots L..L+kept-1; those of dropped nodes are simply not kept.
     """
-    L, n = cache.length, shape.n
+    L, n = cache.length, shape.n_nodes
     h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache, tree.n_drafts)
     if n > 1:
         parent_idx = torch.tensor(shape.parents[1:], device=h.device)
-        early = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
-        p_edge = early.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
+        early_probs = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
+        p_edge = early_probs.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
         alive = [True] + [False] * (n - 1)
         for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
             alive[u] = alive[shape.parents[u]] and p_edge[u - 1] >= threshold
@@ -51,5 +51,5 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
             first_msa = model.config.n_layer - model.config.n_msa_layers
             cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
             h, tokens = h[:, k], tokens[k]
-    logits, hidden = model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts)
-    return tokens, shape, logits, hidden
+    main_logits, draft_hidden = model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts)
+    return tokens, shape, main_logits, draft_hidden

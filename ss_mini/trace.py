@@ -9,10 +9,11 @@ outside). sample.py --speculative --trace=FILE.html is the way in.
 
 Per pass: the cache length L, the root, the drafted tree (every node's token, depth, parent,
 rank, the draft probability of its token, the token the main stream emitted there, and its
-status: root, accepted, rejected, unreached or pruned), the accepted path, the next root, and
-the attention mask of the pass's multi-stream layers (after pruning, when it pruned) in
-sparse form: for each row, the key columns it may attend to, the cached prefix collapsed to
-column 0, then the nodes, then the streams.
+status: root, accepted, rejected, unreached or pruned), the accepted path, the next root, how
+many tokens it emitted (its accepted drafts and the next root), and the attention mask of its
+multi-stream layers (after pruning, when it pruned) in sparse form: for each row, the key
+columns it may attend to, the cached prefix collapsed to column 0, then the nodes, then the
+streams.
 """
 import json
 import os
@@ -45,7 +46,7 @@ def kept_nodes(drafted, verified):
     named by the ranks along its path from the root, the same in both shapes."""
     def rank_paths(shape):
         paths = []
-        for u in range(shape.n):
+        for u in range(shape.n_nodes):
             paths.append(paths[shape.parents[u]] + (shape.ranks[u],) if u else ())
         return paths
     index = {p: u for u, p in enumerate(rank_paths(drafted))}
@@ -88,13 +89,13 @@ def record(step, decode):
     if probs is None:
         probs = torch.softmax(step["draft_logits"].float(), dim=-1)
     q_prob = [None] + probs[drafted.depth[1:] - 1, step["drafted_tokens"][1:]].tolist()
-    emitted = [None] * drafted.n
+    emitted = [None] * drafted.n_nodes
     for i, u in enumerate(kept):
         emitted[u] = step["ys"][i]
     path = [kept[i] for i in step["path"]]
     on_path, alive = set(path), set(kept)
     nodes = []
-    for u in range(drafted.n):
+    for u in range(drafted.n_nodes):
         p = drafted.parents[u]
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
                   else "rejected" if p in on_path else "unreached")
@@ -103,19 +104,19 @@ def record(step, decode):
                           emitted_text=None if emitted[u] is None else decode([emitted[u]]), status=status))
     g = step["n_drafts"]
     mask = shape.mask(L)
-    if mask.shape[0] != shape.n * (1 + g):
-        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n} nodes with {g} streams each")
+    if mask.shape[0] != shape.n_nodes * (1 + g):
+        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes with {g} streams each")
     return dict(cache_length=L, root=tokens[0], nodes=nodes, path=path, next_root=step["next_root"],
                 next_root_text=decode([step["next_root"]]), accepted=len(path), kept=kept,
-                pruned=[u for u in range(drafted.n) if u not in alive], n_streams=g,
+                pruned=[u for u in range(drafted.n_nodes) if u not in alive], n_streams=g,
                 mask=sparse_mask(mask, L), mask_keys=mask.shape[1] - L)
 
 
 def summary(passes):
-    """Passes, tau (mean accepted tokens per pass, root included), the histogram of tokens per
-    pass, and the acceptance rate by depth d: of the passes whose path reached depth d - 1 at a
-    node with a verified child, the share that accepted a child there."""
-    lengths = [p["accepted"] for p in passes]
+    """Passes, tau (tokens emitted per pass, root included: as Stats.mean_accepted), the
+    histogram of tokens per pass, and the acceptance rate by depth d: of the passes whose path
+    reached depth d - 1 at a node with a verified child, the share that accepted a child there."""
+    lengths = [p["emitted"] for p in passes]
     hist = {}
     for a in lengths:
         hist[a] = hist.get(a, 0) + 1
@@ -135,24 +136,29 @@ def summary(passes):
 class Trace:
     """Records the passes of one generate_speculative call: pass `on_pass` to it, then `finish`."""
 
-    def __init__(self, decode, **settings):
-        self.decode, self.settings, self.passes, self.data = decode, settings, [], None
+    def __init__(self, decode, eot=None, **settings):
+        self.decode, self.eot, self.settings, self.passes, self.data = decode, eot, settings, [], None
 
     def on_pass(self, step):
         self.passes.append(record(step, self.decode))
 
     def finish(self, prompt, output):
-        """The trace's data: settings, prompt, output (token ids and text chunks, each pass's
-        accepted path one chunk), passes and summary."""
-        chunks, i = [], 0
+        """The trace's data: settings, prompt, output (token ids, and its text in chunks: the
+        prefill's token, then the tokens each pass emitted: its accepted drafts and the next
+        root), passes and summary. A pass's `emitted` counts its tokens up to where the output
+        ends (max_new_tokens, or end-of-text, which counts but is not output), as Stats does."""
+        output = list(output)
+        stream = output[:1] + [t for p in self.passes for t in
+                               [p["nodes"][u]["token"] for u in p["path"][1:]] + [p["next_root"]]]
+        end = len(output) + (len(stream) > len(output) and self.eot is not None and stream[len(output)] == self.eot)
+        chunks = [{"pass": None, "text": self.decode(output[:1])}] if output else []
+        start = 1
         for k, p in enumerate(self.passes):
-            ids = [p["nodes"][u]["token"] for u in p["path"]][:max(0, len(output) - i)]
-            if ids:
-                chunks.append({"pass": k, "text": self.decode(ids)})
-            i += len(ids)
-        if i < len(output):  # the last pass's next root (or the prefill's root, when no pass ran)
-            chunks.append({"pass": None, "text": self.decode(output[i:])})
-        self.data = dict(version=1, settings=self.settings, prompt=self.decode(list(prompt)), output=list(output),
+            p["emitted"] = max(0, min(p["accepted"], end - start))
+            if start < len(output):
+                chunks.append({"pass": k, "text": self.decode(output[start:start + p["accepted"]])})
+            start += p["accepted"]
+        self.data = dict(version=1, settings=self.settings, prompt=self.decode(list(prompt)), output=output,
                          chunks=chunks, passes=self.passes, summary=summary(self.passes))
         return self.data
 

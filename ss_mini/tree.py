@@ -14,7 +14,7 @@ that a depth limit is a prefix of the nodes:
     ranks[n]     rank of the node's token among the candidates of its depth
     children[n]  child indices, for the walk of the verifier
 
-Two shapes, one interface (`tree.shape(q, max_depth)` -> TreeShape):
+Two shapes, one interface (`tree.shape(draft_logits, max_depth)` -> TreeShape):
 - `CartesianTree(ks)`: the paper's tree, every node at depth j-1 gets the top-k_j
   candidates of depth j: 1 + k_1 + k_1 k_2 + ... nodes, always the same shape.
 - `BudgetTree(n)`: the n nodes with the largest product of stream probabilities along
@@ -37,8 +37,8 @@ from .masks import attention_mask
 
 class TreeShape:
     def __init__(self, parents, ranks, n_drafts, block_size, width, device, dtype):
-        self.parents, self.ranks, self.n = list(parents), list(ranks), len(parents)
-        self.depths, self.children = [0] * self.n, [[] for _ in parents]
+        self.parents, self.ranks, self.n_nodes = list(parents), list(ranks), len(parents)
+        self.depths, self.children = [0] * self.n_nodes, [[] for _ in parents]
         for i, p in enumerate(self.parents[1:], 1):
             self.depths[i] = self.depths[p] + 1
             self.children[p].append(i)
@@ -64,6 +64,7 @@ class TreeShape:
 
 
 MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
+SHAPE_CACHE_BYTES = 64 << 20  # the masks of the shapes kept for reuse (a GPT-2-sized n32 mask is ~0.6 MB)
 
 
 class _Tree:
@@ -78,7 +79,7 @@ class _Tree:
         n_drafts = max(1, min(self.max_depth, config.n_drafts))
         key = (n_drafts, config.block_size, str(device), dtype)
         if getattr(self, "_key", None) != key or self.width != min(self.max_width, config.vocab_size):
-            self._key, self._shapes = key, {}
+            self._key, self._shapes, self._shape_bytes = key, {}, 0
             self.width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
         self.n_drafts = n_drafts
         return self
@@ -87,10 +88,14 @@ class _Tree:
         """The TreeShape of these arrays, built once."""
         key = (tuple(parents), tuple(ranks))
         if key not in self._shapes:
-            if len(self._shapes) >= 4096:  # a budget tree meets few shapes; bound the memory anyway
-                self._shapes.clear()
             n_drafts, block_size, device, dtype = self._key
-            self._shapes[key] = TreeShape(parents, ranks, n_drafts, block_size, self.width, device, dtype)
+            shape = TreeShape(parents, ranks, n_drafts, block_size, self.width, device, dtype)
+            size = shape.full_mask.numel() * shape.full_mask.element_size()
+            if self._shape_bytes + size > SHAPE_CACHE_BYTES:  # a budget tree meets few shapes; bound them anyway
+                self._shapes.clear()
+                self._shape_bytes = 0
+            self._shapes[key] = shape
+            self._shape_bytes += size
         return self._shapes[key]
 
 
@@ -120,7 +125,7 @@ class CartesianTree(_Tree):
                              f"has {config.vocab_size}")
         return super().bind(config, device, dtype)
 
-    def shape(self, q, max_depth):
+    def shape(self, draft_logits, max_depth):
         """The fixed shape, cut to the nodes at depth <= max_depth."""
         n = self.n_at_depth[min(max_depth, len(self.ks))]
         return self.shape_of(self.parents[:n], self.ranks[:n])
@@ -139,14 +144,14 @@ class BudgetTree(_Tree):
     def __len__(self):
         return self.n_nodes
 
-    def shape(self, q, max_depth):
+    def shape(self, draft_logits, max_depth):
         """Best-first search over paths (rank at depth 1, rank at depth 2, ...) scored by the
         sorted stream probabilities: a child or the next sibling of a chosen node is never
         more probable than it, so popping from a heap yields the best paths in order."""
         n, D, k = self.n_nodes, min(max_depth, self.n_streams), self.width
         if n <= D + 1:  # the budget holds the top-1 chain and no more: no search needed
             return self.shape_of(list(range(-1, n - 1)), [0] * n)
-        probs = torch.topk(torch.softmax(q[:D].float(), dim=-1), k, dim=-1).values.tolist()
+        probs = torch.topk(torch.softmax(draft_logits[:D].float(), dim=-1), k, dim=-1).values.tolist()
         parents, ranks, depths, score = [-1], [0], [0], [1.0]
 
         def add(parent, rank):

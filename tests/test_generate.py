@@ -97,7 +97,7 @@ def test_cartesian_tree_shape():
     assert shape.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
     assert all(shape.parents[i] < i for i in range(1, len(t)))
     tokens, shape = _draft(t, 5, q, 2, 11)
-    assert shape.n == 10 and tokens[0] == 5
+    assert shape.n_nodes == 10 and tokens[0] == 5
     top = torch.topk(q, 3).indices
     assert tokens[1:4] == top[0].tolist()
     assert tokens[4:10] == top[1, :2].tolist() * 3
@@ -359,8 +359,8 @@ def test_pruning_keeps_the_cache_consistent():
     shape = tree.shape_of(parents, [0, 0, 1, 0, 1, 0, 0])
     tokens = torch.tensor([5, 6, 7, 8, 9, 10, 0])
     tokens_k, shape_k, main, _ = pruned_pass(model, tokens, shape, tree, cache, 0.09)
-    assert 1 < shape_k.n < 7, shape_k.n  # this seed prunes some nodes, not all
-    leaf = shape_k.n - 1
+    assert 1 < shape_k.n_nodes < 7, shape_k.n_nodes  # this seed prunes some nodes, not all
+    leaf = shape_k.n_nodes - 1
     path = [leaf]
     while shape_k.parents[path[-1]] >= 0:
         path.append(shape_k.parents[path[-1]])

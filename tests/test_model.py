@@ -9,7 +9,8 @@ from conftest import random_model
 
 from ss_mini.kvcache import KVCache
 from ss_mini.masks import attention_mask, stream_mask, tree_mask
-from ss_mini.model import GPT, GPTConfig, Linear
+from ss_mini.kernels import Linear
+from ss_mini.model import GPT, GPTConfig
 
 
 def reference_gpt2(model, idx):
@@ -351,15 +352,18 @@ def test_medusa_heads_draft_from_the_last_hidden_state():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_is_the_same_product_in_both_orientations(bias):
-    """Linear computes few rows times a large weight as (W x^T)^T: the same values as F.linear,
-    in the same row-major layout (the next product and SDPA's fused kernel need it), for
-    every row count and batch shape, on either side of the thresholds."""
+def test_linear_with_a_packed_weight_is_the_same_product(bias):
+    """Linear's packed weight (kernels.py) gives F.linear's values for every row count and batch
+    shape, on either side of the thresholds, and is packed again when the weight changes."""
     torch.manual_seed(0)
-    for d_in, d_out in ((256, 1024), (64, 64)):  # 2^18 entries (the transposed path) and a small weight
-        layer = Linear(d_in, d_out, bias=bias).double()
-        for shape in ((1, 1), (1, 2), (1, 4), (2, 3), (1, 64), (1, 65), (3, 40)):
-            x = torch.randn(*shape, d_in, dtype=torch.float64)
-            y = layer(x)
-            assert y.shape == (*shape, d_out) and y.is_contiguous()
-            torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-12, atol=1e-12)
+    for d_in, d_out in ((256, 1024), (64, 64)):  # 2^18 entries (packed when decoding) and a small weight
+        layer = Linear(d_in, d_out, bias=bias)
+        for step in range(2):
+            for shape in ((1, 1), (1, 2), (1, 4), (2, 3), (1, 64), (1, 65), (3, 40)):
+                x = torch.randn(*shape, d_in)
+                with torch.inference_mode():
+                    y = layer(x)
+                assert y.shape == (*shape, d_out) and y.is_contiguous()
+                torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            with torch.no_grad():
+                layer.weight.mul_(-2.0)  # as an optimizer step would: the pack must follow

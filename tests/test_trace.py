@@ -64,10 +64,12 @@ def traced(case, prompt=(1, 2, 3), n=60):
 @pytest.mark.parametrize("case", list(CASES))
 def test_trace_replays_to_the_output(case):
     model, tree, kw, data, out, stats, _, _ = traced(case)
+    # each pass's accepted path (its root first), then the last pass's next root: the output
     replay = [t for p in data["passes"] for t in (p["nodes"][u]["token"] for u in p["path"])]
     replay.append(data["passes"][-1]["next_root"])
     assert replay[:len(out)] == out and len(replay) >= len(out)
-    assert [p["accepted"] for p in data["passes"]] == stats.accepted
+    assert [p["emitted"] for p in data["passes"]] == stats.accepted
+    assert [p["accepted"] for p in data["passes"]] == [len(p["path"]) for p in data["passes"]]
     assert [len(p["kept"]) for p in data["passes"]] == stats.nodes
     assert data["summary"]["tau"] == pytest.approx(stats.mean_accepted)
     assert "".join(c["text"] for c in data["chunks"]) == decode(out)
@@ -113,6 +115,19 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
                 assert u["q_prob"] == pytest.approx(probs[u["depth"] - 1, u["token"]].item(), rel=1e-5)
             else:
                 assert 0.0 <= u["q_prob"] <= 1.0
+
+
+def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
+    model, tree = random_model(seed=2, std=0.4), make_tree("3,2,1", 3)
+    full, _ = generate_speculative(model, [1, 2, 3], 40, tree)
+    for eot in sorted(set(full[5:30]))[:3]:  # tokens that end the output somewhere in the middle
+        trace = Trace(decode, eot=eot)
+        out, stats = generate_speculative(model, [1, 2, 3], 40, tree, eot=eot, on_pass=trace.on_pass)
+        data = trace.finish([1, 2, 3], out)
+        assert out == full[:full.index(eot)] and len(out) < 39
+        assert [p["emitted"] for p in data["passes"]] == stats.accepted
+        assert data["summary"]["tau"] == pytest.approx(stats.mean_accepted)
+        assert "".join(c["text"] for c in data["chunks"]) == decode(out)
 
 
 def test_trace_pages_are_self_contained_and_embed_the_data(tmp_path):

@@ -120,14 +120,20 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 def test_sample_cli(tiny_ckpt, tmp_path):
     r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--speculative",
-            "--num_samples=2", "--tree=2,1,1")
+            "--num_samples=2", "--tree=2,1,1", "--temperature=0")
     assert r.returncode == 0, r.stderr
     samples = r.stdout.split("\n---------------\n")
     assert len(samples) == 3 and samples[0].startswith("def ") and samples[1].startswith("def ")
     assert "\033[" not in r.stdout  # not a terminal: no colour
     assert r.stderr.count("tokens per pass") == 2 and "forward passes" in r.stderr
-    plain = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--num_samples=2")
+    plain = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--num_samples=2",
+                "--temperature=0")
     assert plain.stdout == r.stdout  # greedy: the same text with and without speculation
+    # the defaults sample (T = 0.8, top-k 200, as nanoGPT): two samples differ from each other and from greedy
+    sampled = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--num_samples=2")
+    assert sampled.returncode == 0, sampled.stderr
+    one, two, _ = sampled.stdout.split("\n---------------\n")
+    assert one != two and one != samples[0]
     colored = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--speculative",
                   "--color=True")
     assert "\033[34m" in colored.stdout
@@ -171,6 +177,10 @@ def test_bench_json(tiny_ckpt):
                 "match_rate", "repeat_rate", "tree", "draft_params", "base_params", "device"):
         assert key in doc
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
+    assert doc["corpus"]["sha256"] and doc["corpus"]["source"].startswith("Python")  # the checkpoint's corpus
+    report = r.stderr.strip().splitlines()
+    assert report[0].startswith(f"speedup {doc['speedup']:.2f}x") and "over 3 runs" in report[0]  # the answer first
+    assert any(line.startswith("corpus: Python") and doc["corpus"]["sha256"] in line for line in report)
 
 
 def test_bench_keeps_calibration_prompts_apart(tmp_path):
@@ -204,11 +214,11 @@ def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
     calls = []
 
     def fake_ar(model, prompt, **kw):
-        calls.append(("ar", prompt))
+        calls.append(("ar", prompt) if kw["max_new_tokens"] == 64 else ("warm-up", prompt))
         return [0] * 12, Stats(new_tokens=12, passes=12, accepted=[1] * 12, seconds=12e-3)
 
     def fake_ss(model, prompt, tree, **kw):  # tokens a pass and ms a pass per tree
-        calls.append((repr(tree), prompt))
+        calls.append((repr(tree), prompt) if kw["max_new_tokens"] == 64 else ("warm-up", prompt))
         tau = {"1,1,1": 3, "n4": 2, "3,2,1": 4}[repr(tree)]
         cost = {"1,1,1": 1.5, "n4": 1.5, "3,2,1": 3.0}[repr(tree)]  # 3,2,1: more tokens, dearer passes
         passes = 12 // tau
@@ -218,10 +228,12 @@ def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
     monkeypatch.setattr(bench, "generate_ar", fake_ar)
     monkeypatch.setattr(bench, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=3))
-    cfg = dict(bench.config, candidates="1,1,1;n4;3,2,1")
-    best, rows = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=12), lambda *a: None)
+    cfg = dict(bench.config, candidates="1,1,1;n4;3,2,1", calibration_tokens=64)
+    best, rows = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
     assert best == "1,1,1"  # 12 ms of AR against 6 ms (n4: 9 ms, 3,2,1: 9 ms)
     assert [(spec, n, r["mean_accepted"]) for spec, n, r in rows] == [("1,1,1", 4, 3), ("n4", 4, 2), ("3,2,1", 16, 4)]
+    assert calls[:4] == [("warm-up", "p0")] * 4  # every decoder warms up on the first prompt
+    calls = calls[4:]
     assert [p for _, p in calls] == ["p0"] * 4 + ["p1"] * 4  # every decoder on p0, then on p1
     assert sorted(d for d, p in calls if p == "p1") == sorted(["ar", "1,1,1", "n4", "3,2,1"])
 
@@ -253,10 +265,14 @@ BAD = [  # (script, flags, words the one-line error must contain)
     ("sample.py", ["--speculative", "--tree=250"], "vocabulary"),
     ("sample.py", ["--speculative", "--tree=n100000"], "at most"),
     ("sample.py", ["--speculative", "--tree=x"], "--tree"),
-    ("sample.py", ["--speculative", "--temperature=0.8", "--prune_threshold=0.1"], "pruning"),
+    ("sample.py", ["--speculative", "--temperature=0.8", "--prune_threshold=0.1"], "greedy only"),
+    ("sample.py", ["--speculative", "--prune_threshold=0.1"], "--temperature=0"),
     ("bench.py", ["--num_prompts=0"], "--num_prompts"), ("bench.py", ["--prompt_tokens=0"], "--prompt_tokens"),
     ("bench.py", ["--top_p=2"], "--top_p"), ("bench.py", ["--tree=abc"], "--tree"),
     ("bench.py", ["--prompts=no/such.jsonl"], "--prompts"), ("bench.py", ["--shape=1,2", "--pass_cost"], "--shape"),
+    ("bench.py", ["--repeats=0"], "--repeats"), ("bench.py", ["--calibration_tokens=0"], "--calibration_tokens"),
+    ("bench.py", ["--tie_margin=-0.1"], "--tie_margin"), ("bench.py", ["--tie_margin=1"], "--tie_margin"),
+    ("bench.py", ["--suite", "--suite_dirs=out"], "--suite_dirs"), ("bench.py", ["--suite"], "does not combine"),
 ]
 
 
@@ -336,3 +352,22 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
     code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000",
                            "--num_samples=1000"], lambda line: True)
     assert code == 1 and err[-1] == "interrupted" and not any("Traceback" in e for e in err), err
+
+
+def test_training_is_reproducible(tmp_path):
+    """The same command and seed on the same machine give bit-identical weights (streams at
+    every other position, so the random offset of each batch is drawn too)."""
+    common = [f"--data_dir={tmp_path}/data", *TINY, "--stream_stride=2", "--max_iters=8", "--eval_interval=4",
+              "--always_save_checkpoint=True"]
+    for name in ("a", "b"):
+        r = run("train.py", f"--out_dir={tmp_path / name}", *common)
+        assert r.returncode == 0, r.stderr
+    a, b = load_checkpoint(str(tmp_path / "a")), load_checkpoint(str(tmp_path / "b"))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), \
+        [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    assert a["corpus"] == b["corpus"] and a["corpus"]["sha256"]
+    r = run("train.py", f"--out_dir={tmp_path / 'c'}", *common, "--seed=7")  # the test can fail: the seed matters
+    assert r.returncode == 0, r.stderr
+    c = load_checkpoint(str(tmp_path / "c"))
+    assert not torch.equal(a["model"]["lm_head.weight"], c["model"]["lm_head.weight"])

@@ -1,0 +1,72 @@
+"""Distilled stream targets: what stream j at t learns instead of the data's x_{t+1+j}.
+
+The paper's Eq. 5 trains stream j at t on the data token x_{t+1+j} (stream_targets="data").
+Verification, though, accepts a draft when it is the *main stream's* token, not the data's.
+Two targets that are closer to that, both soft (a distribution carries more signal per
+position than one token) and both detached (the main stream is never pulled toward the
+streams), as Medusa-2 and EAGLE train their drafters:
+
+- "main": the main stream's own distribution at t+j, teacher-forced on the data;
+- "greedy": the main stream's distribution at the j-th token of its own greedy continuation
+  from t (`greedy_continuation`): exactly what greedy verification checks, since in a pass
+  where the earlier drafts were accepted the tokens before the j-th are the main stream's
+  argmaxes, not the data's. Useful for a lossless fine-tune of a frozen base.
+"""
+import torch
+
+from .kvcache import KVCache
+from .masks import attention_mask
+
+
+def stream_teacher(model, idx, main_logits, where):
+    """The soft target of stream j at positions t, as a function teacher(j, t) -> (B, len(t), V),
+    or None for the data's tokens. where: the positions that carry streams (None = all)."""
+    kind = model.config.stream_targets
+    if kind == "data":
+        return None
+    if kind == "main":
+        return lambda j, t: torch.softmax(main_logits[:, t + j].detach().float(), dim=-1)
+    continuation = greedy_continuation(model, idx, where)  # (B, m, gamma, V)
+    return lambda j, t: continuation[:, :len(t), j - 1]
+
+
+_masks = {}  # the tree mask of a continuation, per (length, positions, gamma, device)
+
+
+@torch.no_grad()
+def greedy_continuation(model, idx, where=None):
+    """(B, m, gamma, V): for each position t in `where` (m of them; None = every position), the
+    main stream's distributions over the first gamma tokens of its own greedy continuation from t.
+
+    It is a tree of main nodes over the batch, run with a KV cache like a decoding pass: the
+    chain idx, then gamma levels, where level j holds, for every t, the argmax of level j - 1
+    at position t + j (its parent; past the block the position is clamped, and those targets
+    are never used). One pass per level, m rows each, in eval mode, so that dropout does not
+    perturb the teacher. Memory: B x m x gamma x V probabilities (mind GPT-2's vocabulary).
+    """
+    B, T = idx.shape
+    dev, g = idx.device, model.config.n_drafts
+    t = torch.arange(T, device=dev) if where is None else torch.tensor(list(where), device=dev)
+    m = len(t)
+    key = (T, where and (where.start, where.step), g, dev)
+    if key not in _masks:  # the chain, then level j: parent t (j = 1) or the node of level j - 1
+        parents = list(range(-1, T - 1)) + t.tolist() + [T + i for i in range((g - 1) * m)]
+        _masks[key] = attention_mask(parents, device=dev)
+    mask = _masks[key]
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(model.config, T + g * m, batch_size=B, device=dev, dtype=model.lm_head.weight.dtype)
+        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T, :T], cache=cache, n_drafts=0)
+        cache.accept(T)
+        y, probs = logits[:, t].argmax(-1), []
+        for j in range(1, g + 1):
+            end = T + j * m
+            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end, :end], cache=cache,
+                                            n_drafts=0)
+            cache.accept(m)
+            probs.append(torch.softmax(logits.float(), dim=-1))
+            y = logits.argmax(-1)
+    finally:
+        model.train(was_training)
+    return torch.stack(probs, dim=2)

@@ -1,0 +1,42 @@
+"""The one CPU-specific choice of ss_mini: weights packed once for decoding's few-row products.
+
+Decoding multiplies big weights by few rows: one row in an autoregressive step, a few tens
+in a tree pass. Such a product should cost one read of the weight, at the machine's memory
+bandwidth. `F.linear` on a CPU does not get there: for every call BLAS re-packs the weight
+into the layout of its GEMM kernel, so a few-row product reads and writes the weight more
+than once, and a 4-row product can cost twice a 1-row one. Packing the weight once into
+MKL's GEMM layout (`torch.ops.mkl._mkl_reorder_linear_weight`, what torch.compile's CPU
+freezing does) removes that work from every call of 2 to 64 rows (tree passes). One row (the
+autoregressive step) is a matrix-vector product that needs no packing: `F.linear` is as fast
+there as a packed weight or faster, so the baseline keeps it. Training (gradients on), small
+weights, other devices, a torch without MKL and torch.compile keep `F.linear` too. The
+measurements are in docs/step-cost.md (`python bench.py --pass_cost --shape=12,12,768,50257`).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BIG = 1 << 18  # weight entries from which packing pays (smaller weights stay in cache anyway)
+FEW = 64  # rows up to which a product counts as few-row
+MKL = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class Linear(nn.Linear):
+    """nn.Linear; in inference on a CPU, products of 2 to 64 rows on big weights use a packed weight."""
+
+    def forward(self, x):
+        rows = x.numel() // self.in_features
+        if (MKL and 1 < rows <= FEW and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and self.in_features * self.out_features >= BIG and not torch.compiler.is_compiling()):
+            y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(), self.weight, self.bias, rows)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+    def _packed(self):
+        """The weight in MKL's GEMM layout (for about 16 rows: one pack serves 2 to 64), packed
+        again whenever the weight changes (an optimizer step, a loaded checkpoint)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_pack_key", None) != key:
+            self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 16)
+        return self._pack

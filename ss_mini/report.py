@@ -1,0 +1,81 @@
+"""The Markdown that `python bench.py --suite` prints: the README's results table and its
+worked example, rendered from the suite's JSON document, so that the two never disagree.
+The metrics are defined in measure.py."""
+from .data import describe_fingerprint
+
+SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789@%+=:,./-_")
+
+
+def shell_quote(text):
+    """text as one word of a bash command line: bare when it is safe, '...' when it is
+    printable without quotes, else $'...' with escapes (newlines, tabs, form feeds)."""
+    if text and set(text) <= SAFE:
+        return text
+    if "'" not in text and all(c.isprintable() for c in text):
+        return f"'{text}'"
+    escape = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t"}
+    return "$'" + "".join(escape.get(c, c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256
+                                     else f"\\u{ord(c):04x}") for c in text) + "'"
+
+
+def side_by_side(columns, width=40, lines=3):
+    """[(title, text), ...] as columns of the first `lines` lines of each text, cut to `width`;
+    a line of nothing but spaces says how many, since a blank column would hide them."""
+    cells = []
+    for title, text in columns:
+        rows = ["".join(c if c.isprintable() else "?" for c in row) for row in text.expandtabs(4).split("\n")[:lines]]
+        rows = [f"({len(row)} spaces)" if row and not row.strip(" ") else row for row in rows]
+        cells.append([title, "-" * width] + [row if len(row) <= width else row[:width - 1] + "…" for row in rows])
+    depth = max(len(c) for c in cells)
+    cells = [c + [""] * (depth - len(c)) for c in cells]
+    return [" | ".join(f"{c[i]:<{width}}" for c in cells).rstrip() for i in range(depth)]
+
+
+def speedup_cell(x, lo, hi):
+    return f"**{x:.2f}×** ({lo:.2f}–{hi:.2f})"
+
+
+def suite_markdown(doc):
+    m, rows = doc["machine"], doc["rows"]
+    threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
+    out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch {m['torch']}, "
+           f"{m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row the median of "
+           f"{doc['repeats']} runs (the range in brackets), the rows taking turns run by run.", "",
+           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ | CR | output repeats |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        text = "held-out" if r["prompts"] == "held-out" else f"never seen, `{r['prompts']}`"
+        out.append(f"| {r['dataset']} (`{r['checkpoint']}`) | {text}, {r['n_prompts']} prompts | {r['decoding']} | "
+                   f"`{r['command']}` | {r['tree']} | {r['ar_tokens_per_s']:,.0f} | {r['ss_tokens_per_s']:,.0f} | "
+                   f"{speedup_cell(r['speedup'], *r['speedup_range'])} | {r['mean_accepted']:.2f} | "
+                   f"{r['call_reduction']:.2f} | {r['repeat_rate']:.0%}{' †' if r['repeat_rate'] > 0.5 else ''} |")
+    out += ["", "τ: tokens per speculative pass (root included); CR: autoregressive passes / speculative passes; "
+            "output repeats: the share of the autoregressive output's 12-grams that occurred earlier in it; tree: the "
+            "one the tree search picked on calibration prompts kept apart from the reported ones; tokens/s, τ and CR "
+            "are the median run's (definitions: `ss_mini/measure.py`)."]
+    if any(r["repeat_rate"] > 0.5 for r in rows):
+        out.append("† More than half of the output repeats itself: most of this speedup is drafting repeated text.")
+    greedy = [r["match_rate"] for r in rows if r["temperature"] == 0]
+    if greedy:
+        out.append(f"Greedy outputs identical to autoregressive decoding on {min(greedy):.0%} of prompts"
+                   + (" in every run." if min(greedy) == 1 else " in the worst run."))
+    out += [f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}." for c in doc["checkpoints"]]
+    ex = doc["worked_example"]
+    g, s = ex["greedy"], ex["sampled"]
+    out += ["", "### Worked example", "",
+            f"The held-out prompt of the first row whose greedy τ is the median of its {ex['n_prompts']} (prompt "
+            f"{ex['prompt_index']}; the lower middle for an even count, ties to the earlier prompt): a rule picks it, "
+            "so it is representative rather than chosen by hand, and it changes when the model does. The prompt ends:",
+            "", "```", *ex["prompt"].expandtabs(4).split("\n")[-3:], "```", "",
+            f"| | greedy | T = {s['temperature']:g} |", "|---|---|---|",
+            f"| tree | {g['tree']} | {s['tree']} |",
+            f"| τ (tokens per pass) | {g['tau']:.2f} | {s['tau']:.2f} |",
+            f"| speedup on this prompt | {speedup_cell(g['speedup'], *g['speedup_range'])} | "
+            f"{speedup_cell(s['speedup'], *s['speedup_range'])} |",
+            f"| output repeats | {g['repeat_rate']:.0%} | {s['repeat_rate']:.0%} |", "",
+            "The first lines of each continuation (the sampled one as `--speculative` draws it; plain sampling draws "
+            "other tokens from the same distribution):", "", "```",
+            *side_by_side([("greedy", g["continuation"]), (f"T = {s['temperature']:g}", s["continuation"])]), "```", "",
+            "To reproduce (sample.py prints the tokens per pass and tokens/s on stderr; the greedy text is the same "
+            "without `--speculative`):", "", "```", *g["commands"], *s["commands"], "```"]
+    return "\n".join(out)

@@ -1,0 +1,148 @@
+"""bench.py: the tree search's choice, repeated runs, --suite and its worked example."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import bench
+from ss_mini import measure
+from ss_mini.generate import Stats
+from ss_mini.measure import over_runs
+from ss_mini.report import shell_quote
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def search(monkeypatch, timings, **cfg):
+    """bench.tree_search on fake decoders: timings maps a tree to (tokens per pass, ms per pass);
+    an autoregressive pass takes 1 ms. Returns the chosen tree and the max_new_tokens of every call."""
+    asked = []
+
+    def fake_ar(model, prompt, max_new_tokens, **kw):
+        asked.append(max_new_tokens)
+        return [0] * 24, Stats(new_tokens=24, passes=24, accepted=[1] * 24, seconds=24e-3)
+
+    def fake_ss(model, prompt, tree, max_new_tokens, **kw):
+        asked.append(max_new_tokens)
+        tau, ms = timings[repr(tree)]
+        passes = 24 // tau
+        return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
+                               seconds=passes * ms * 1e-3)
+
+    monkeypatch.setattr(bench, "generate_ar", fake_ar)
+    monkeypatch.setattr(bench, "generate_speculative", fake_ss)
+    model = SimpleNamespace(config=SimpleNamespace(n_drafts=4))
+    cfg = dict(bench.config, candidates=";".join(timings), **cfg)
+    return bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)[0], asked
+
+
+def test_tree_search_takes_the_smallest_tree_within_the_tie_margin(monkeypatch):
+    # speedups against 24 ms of AR: n8 (8 nodes) 2.0x, 1,1,1,1 (5 nodes) 1.92x, 1,1 (3 nodes) 1.6x
+    timings = {"n8": (4, 2.0), "1,1,1,1": (4, 2.083), "1,1": (3, 1.875)}
+    assert search(monkeypatch, timings, tie_margin=0.0)[0] == "n8"  # the fastest
+    assert search(monkeypatch, timings, tie_margin=0.05)[0] == "1,1,1,1"  # 4% slower, 4 nodes fewer
+    assert search(monkeypatch, timings, tie_margin=0.25)[0] == "1,1"
+    # two trees of 4 nodes within the margin: the higher tau
+    timings = {"n4": (3, 1.5), "1,1,1": (4, 2.0), "n8": (4, 1.95)}
+    assert search(monkeypatch, timings, tie_margin=0.05)[0] == "1,1,1"
+
+
+def test_tree_search_decodes_calibration_tokens(monkeypatch):
+    timings = {"1,1": (2, 1.2), "n4": (3, 1.5)}
+    _, asked = search(monkeypatch, timings, calibration_tokens=100)
+    assert asked[:3] == [32] * 3 and set(asked[3:]) == {100}  # a short warm-up of each decoder, then the search
+    _, asked = search(monkeypatch, timings, calibration_tokens=1000)
+    assert set(asked[3:]) == {256}  # never more than max_new_tokens
+
+
+def test_over_runs_gives_the_median_run_and_the_range():
+    runs = [dict(speedup=x, mean_accepted=x, match_rate=m) for x, m in ((1.9, 1.0), (1.5, 1.0), (1.7, 0.5))]
+    r = over_runs(runs)
+    assert r["speedup"] == r["mean_accepted"] == 1.7 and r["median_run"] == 2 and r["speedup_range"] == [1.5, 1.9]
+    assert r["speedups"] == [1.9, 1.5, 1.7] and r["match_rate"] == 0.5  # the worst run's
+    assert over_runs(runs[:2])["speedup"] == 1.5  # an even count: the lower middle run
+
+
+def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch, capsys):
+    """One tree search, then --repeats runs on the reported prompts, all with the tree object
+    that was warmed up on the calibration prompts."""
+    real = bench.generate_speculative
+    seen = []
+
+    def spy(model, prompt, tree, **kw):
+        seen.append((id(tree), repr(tree), tuple(prompt)))
+        return real(model, prompt, tree=tree, **kw)
+
+    monkeypatch.setattr(bench, "generate_speculative", spy)
+    monkeypatch.setattr(measure, "generate_speculative", spy)  # run_pair's
+    result = bench.main([f"--out_dir={tiny_ckpt}", "--num_prompts=2", "--max_new_tokens=12", "--prompt_tokens=16",
+                         "--candidates=1,1;n4", "--repeats=2"])
+    assert len(result["speedups"]) == 2 and result["speedup"] == min(result["speedups"])
+    assert result["speedup_range"] == [min(result["speedups"]), max(result["speedups"])]
+    measured = seen[-4:]  # 2 runs x 2 prompts
+    assert len({t for t, _, _ in measured}) == 1 and measured[0][1] == result["tree"]
+    warmed = [p for t, _, p in seen[:-4] if t == measured[0][0]]
+    assert warmed and not set(warmed) & {p for _, _, p in measured}  # warmed up on the calibration prompts
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"speedup {result['speedup']:.2f}x") and f"tree {result['tree']}" in out[0]
+    assert "greedy" in out[0] and "over 2 runs" in out[0]
+    assert (result["repeat_rate"] > 0.5) == out[1].startswith("most of this speedup is drafting repeated text")
+    assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
+
+
+def test_shell_quote_survives_bash():
+    for text in ("def f(x):", "it's\n\tx = '\\\\'\n", "\x0cform feed é ☃", "a b; $HOME `ls`"):
+        r = subprocess.run(["bash", "-c", f"printf %s {shell_quote(text)}"], capture_output=True, text=True)
+        assert r.stdout == text
+
+
+def test_suite_needs_its_checkpoints(tiny_ckpt, tmp_path):
+    r = run("--suite", cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "error: --suite needs out/ckpt.pt: make it with `python train.py`, or point --suite_dirs=CODE_DIR,PROSE_DIR "
+        "at other checkpoints"]
+    r = run("--suite", f"--suite_dirs={tiny_ckpt},{tmp_path}/prose", cwd=tmp_path)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert f"`python train.py --dataset=shakespeare --out_dir={tmp_path}/prose`" in r.stderr
+
+
+def test_suite_json_and_its_worked_example(tiny_ckpt):
+    r = run("--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=3", "--max_new_tokens=16",
+            "--prompt_tokens=16", "--candidates=1,1;n4", "--calibration_tokens=8", "--repeats=2", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    rows = doc["rows"]
+    assert [(row["prompts"], row["decoding"]) for row in rows] == [
+        ("held-out", "greedy"), ("held-out", "T = 0.8"), ("prompts/code_unseen.jsonl", "greedy"),
+        ("held-out", "greedy"), ("held-out", "T = 0.8"), ("prompts/prose_unseen.jsonl", "greedy")]
+    for row in rows:
+        assert len(row["speedups"]) == 2 and row["speedup_range"][0] <= row["speedup"] <= row["speedup_range"][1]
+        assert row["tree"] in ("1,1", "n4") and 0 <= row["repeat_rate"] <= 1 and row["mean_accepted"] >= 1
+        assert row["match_rate"] == 1.0 or row["temperature"] > 0
+    assert rows[1]["command"].startswith(f"python bench.py --out_dir={tiny_ckpt} --temperature=0.8")
+    assert doc["machine"]["threads"] >= 1 and doc["machine"]["torch"] and doc["machine"]["processor"]
+    assert doc["checkpoints"][0]["corpus"]["sha256"]
+    assert "| model | text | decoding |" in r.stderr and "### Worked example" in r.stderr  # the Markdown
+    ex = doc["worked_example"]
+    taus = ex["greedy_taus"]  # of the first row's prompts: the example is the one in the middle
+    assert len(taus) == 3 and ex["greedy"]["tau"] == taus[ex["prompt_index"]] == sorted(taus)[1]
+    for mode in ("greedy", "sampled"):  # the commands decode what bench decoded
+        speculative, plain = ex[mode]["commands"]
+        assert speculative == plain + f" --speculative --tree={ex[mode]['tree']}"
+        out = subprocess.run(["bash", "-c", speculative.replace("python sample.py", f"{sys.executable} sample.py", 1)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == ex["prompt"] + ex[mode]["continuation"] + "\n---------------\n"
+        assert f"{ex[mode]['tau']:.2f} tokens per pass" in out.stderr
+    plain = subprocess.run(["bash", "-c", ex["greedy"]["commands"][1].replace("python sample.py",
+                                                                              f"{sys.executable} sample.py", 1)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert plain.stdout == ex["prompt"] + ex["greedy"]["continuation"] + "\n---------------\n"

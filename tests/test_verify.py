@@ -1,0 +1,131 @@
+"""The verify rule one node at a time (`verify_reference`), against the vectorised
+`Sampler.verify`; and the small defects that reading the code found."""
+import pytest
+import torch
+from conftest import random_model
+
+from ss_mini.distill import greedy_continuation
+from ss_mini.generate import Sampler, generate_speculative
+import ss_mini.tree as tree_module
+from ss_mini.tree import BudgetTree, CartesianTree, make_tree
+
+
+def verify_reference(p, q, ranked, shape, u, race_u):
+    """Speculative sampling on a tree, one node and one child at a time (see Sampler's docstring).
+
+    p: (n, V) the target's distribution at each node; q: (depths, V) the draft distribution of
+    each depth; ranked: (depths, width) the candidates of each depth, in the order drawn;
+    shape: the TreeShape (depths, ranks, children); u: (n, width) a uniform per child try, in
+    the children's order; race_u: (n, V) the uniforms of the final draw.
+    Returns the token emitted at each node."""
+    ys = []
+    for node in range(shape.n_nodes):
+        row = shape.depths[node]  # the depth below this node, whose candidates its children hold
+        p_node = p[node].clone()
+        q_node = q[row].clone() if shape.children[node] else None
+        y = None
+        for r, child in enumerate(shape.children[node]):  # in rank order
+            x = ranked[row, shape.ranks[child]].item()
+            if u[node, r] * q_node[x] < min(p_node[x], q_node[x]):  # accept with probability min(1, p(x)/q(x))
+                y = x
+                break
+            p_node = (p_node - q_node).clamp_min(0)  # rejected: p becomes the residual max(0, p - q) ...
+            if p_node.sum() > 0:
+                p_node = p_node / p_node.sum()  # ... normalised
+            q_node[x] = 0  # x leaves q, which is renormalised (if anything is left: else nothing can be accepted)
+            if q_node.sum() > 0:
+                q_node = q_node / q_node.sum()
+        if y is None:  # none accepted: a draw from the residual (from p if it underflowed to zero)
+            weights = p_node if p_node.sum() > 0 else p[node]
+            y = (race_u[node].log() / weights).argmax().item()
+        ys.append(y)
+    return torch.tensor(ys)
+
+
+def _random_logits(seed, V, ties):
+    """Target logits for up to 16 nodes and draft logits for 3 depths, near them; with ties,
+    equal probabilities in both."""
+    gen = torch.Generator().manual_seed(seed)
+    main_logits = torch.randn(16, V, generator=gen, dtype=torch.float64) * 2
+    draft_logits = main_logits[:3] + torch.randn(3, V, generator=gen, dtype=torch.float64)
+    if ties:
+        main_logits[:, :3] = main_logits[:, :1]
+        draft_logits[:, 1:4] = 0.5
+    return main_logits, draft_logits
+
+
+@pytest.mark.parametrize("tree", ["1,1,1", "3,2,1", "2,2,2", "5,1", "n8", "n16"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=2), dict(temperature=1.3, top_p=0.5),
+                                dict(temperature=1.0, ties=True)], ids=["T1", "top_k2", "top_p", "ties"])
+def test_vectorised_verify_is_the_reference_rule(tree, kw):
+    """The same tokens from the same uniforms, on random trees, p and q; with top_k=2 and top_p
+    q's support is often smaller than a depth's width (candidates never drawn)."""
+    kw = dict(kw)
+    ties = kw.pop("ties", False)
+    config = random_model().config
+    t = make_tree(tree, 3).bind(config, "cpu", torch.float64)
+    for seed in range(25):
+        main_logits, draft_logits = _random_logits(seed, config.vocab_size, ties)
+        draft_logits = draft_logits[:t.n_drafts]
+        sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), seed, "cpu")
+        ranked, draft_probs = sampler.draft(draft_logits, t.width)
+        shape = t.shape(draft_logits, max_depth=3)
+        p = sampler.probs(main_logits[:shape.n_nodes])
+        state = sampler.gen.get_state()
+        ys = sampler.verify(main_logits[:shape.n_nodes], draft_probs, ranked, shape)
+        sampler.gen.set_state(state)  # the same uniforms, in the order verify draws them
+        u = torch.rand((shape.n_nodes, t.width), generator=sampler.gen, dtype=p.dtype)
+        race_u = torch.empty_like(p).uniform_(generator=sampler.gen)
+        ref = verify_reference(p, draft_probs, ranked, shape, u, race_u)
+        assert ys.tolist() == ref.tolist(), (seed, ys.tolist(), ref.tolist())
+
+
+def test_a_residual_that_underflows_falls_back_to_the_target(monkeypatch):
+    """When p - q underflows to all zeros (p ~ q), the emitted token comes from p, never the
+    token 0 that an argmax over all -inf keys would give. Simulated with p = q / 2 after
+    normalisation: a rejection then leaves max(0, p - q) = 0 everywhere."""
+    V = 5
+    q = torch.tensor([[0.0, 0.0, 0.2, 0.3, 0.5]], dtype=torch.float64)
+    sampler = Sampler(1.0, None, None, 0, "cpu")
+    monkeypatch.setattr(sampler, "probs", lambda logits: q.expand(len(logits), V) / 2)
+    shape = type("Shape", (), dict(cand_row=torch.zeros(400, dtype=torch.long), tries=torch.ones(400, 1),
+                                   max_children=1))()
+    ranked = torch.tensor([[4]])
+    ys = sampler.verify(torch.zeros(400, V), q, ranked, shape)
+    assert set(ys.tolist()) <= {2, 3, 4} and (ys != 4).any(), ys.bincount()
+
+
+def test_tau_counts_what_a_pass_emitted():
+    """A pass cut short by max_new_tokens counts the tokens it gave, not its whole path:
+    the prefill's token plus the passes' tokens are the output."""
+    model = random_model(seed=3, std=0.6)
+    for n in (1, 2, 7, 11):
+        out, stats = generate_speculative(model, [1, 2], n, CartesianTree([1, 1, 1]))
+        assert len(out) == n and 1 + sum(stats.accepted) == n, (n, stats.accepted)
+
+
+def test_greedy_continuation_ignores_dropout():
+    """The greedy teacher of stream_targets="greedy" is the model's own greedy path, even when
+    called in training mode with dropout on, and it leaves the model in the mode it found."""
+    model = random_model(std=0.3, dropout=0.5, stream_targets="greedy")
+    idx = torch.randint(0, 11, (2, 9))
+    model.eval()
+    want = greedy_continuation(model, idx)
+    model.train()
+    torch.manual_seed(0)
+    got = greedy_continuation(model, idx)
+    assert model.training
+    torch.testing.assert_close(got, want)
+
+
+def test_the_tree_shape_cache_is_bounded_in_bytes(monkeypatch):
+    """A budget tree meets a new shape for many drafts; the masks it keeps stay under a byte bound."""
+    monkeypatch.setattr(tree_module, "SHAPE_CACHE_BYTES", 20_000)
+    config = random_model().config
+    t = BudgetTree(8, 3).bind(config, "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        t.shape(torch.randn(3, config.vocab_size, generator=gen) * 3, max_depth=3)
+        held = sum(s.full_mask.numel() * s.full_mask.element_size() for s in t._shapes.values())
+        assert held <= 20_000
+    assert len(t._shapes) >= 1
