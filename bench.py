@@ -156,7 +156,8 @@ def choose_tree(model, calibration, cfg, kw, log):
     if spec == "auto" or cfg["sweep"]:
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts")
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
+                             cfg["tie_margin"])
             log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)

@@ -27,11 +27,12 @@ def check(path, searched=True):
                          "without --compare, --pass_cost or --suite")
 
 
-def tree_search(rows, best, path, title=""):
+def tree_search(rows, best, path, title="", tie_margin=0.0):
     """Speedup and tau of each candidate tree against its node count, the chosen tree marked,
     autoregressive decoding at 1.0 on both. rows: (spec, nodes, bench summary) of
-    bench.tree_search; best: the chosen spec. Cartesian trees are dots, node budgets squares
-    joined by a line (one family). Written atomically (temp file, then os.replace)."""
+    bench.tree_search; best: the chosen spec; tie_margin: the band below the fastest within
+    which the search takes the smallest tree (shaded). Cartesian trees are dots, node budgets
+    squares joined by a line (one family). Written atomically (temp file, then os.replace)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no window
 
     fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
@@ -47,9 +48,11 @@ def tree_search(rows, best, path, title=""):
         cart = [(n, r[key]) for spec, n, r in rows if not spec.startswith("n")]
         if cart:
             ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6, label="top-k per depth (k,k,k)")
-        for spec, n, r in rows:  # budget labels above their points, Cartesian ones below: they share node counts
+        for spec, n, r in rows:  # budget labels left of their points, Cartesian ones right: they share node counts
+            budget = spec.startswith("n")
             ax.annotate(spec, (n, r[key]), textcoords="offset points", fontsize=7,
-                        xytext=(4, 4) if spec.startswith("n") else (4, -10))
+                        xytext=(-5, 3) if budget else (5, -3), ha="right" if budget else "left",
+                        va="bottom" if budget else "top")
             if spec == best:
                 ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3, label=f"chosen: {spec}")
         ax.set_xlabel("nodes in the tree")
@@ -62,6 +65,10 @@ def tree_search(rows, best, path, title=""):
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.margins(y=0.1)
+    if tie_margin:
+        fastest = max(r["speedup"] for _, _, r in rows)
+        axes[0].axhspan((1 - tie_margin) * fastest, fastest, color="tab:red", alpha=0.08, zorder=0,
+                        label=f"within {tie_margin:.0%} of the fastest")
     axes[0].legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title, fontsize=10)
