@@ -116,9 +116,9 @@ def main(argv=None):
                   seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
         trace = None
         if cfg["trace"] and i == 0:
-            trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree), temperature=cfg["temperature"],
-                          top_k=cfg["top_k"], top_p=cfg["top_p"], prune_threshold=cfg["prune_threshold"],
-                          seed=cfg["seed"])
+            trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree),
+                          temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
+                          prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
         if speculative:
             out, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree,
                                               prune_threshold=cfg["prune_threshold"],
