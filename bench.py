@@ -13,6 +13,7 @@
     python bench.py --pass_cost            # what one speculative step costs, in autoregressive steps
     python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
+    python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
 
 The report's first line is the answer: the median speedup over --repeats runs with its
 range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
@@ -31,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from ss_mini import plot
 from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.data import describe_fingerprint, load_split, prepare
@@ -70,6 +72,7 @@ config = dict(
     pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
     shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
     compile=False,  # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
+    plot="",  # FILE.png: the tree search's speedup and tau against tree nodes (needs matplotlib)
 )
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
@@ -116,7 +119,7 @@ def tree_search(model, calibration, cfg, kw, log):
     near-tie is the machine's noise, and the smaller tree is the one that two runs agree
     on). Every decoder is warmed up on the first prompt; then all take turns on each prompt
     before the next prompt starts, so a burst of load on this machine spreads over many
-    candidates instead of deciding one row."""
+    candidates instead of deciding one row. Returns (that spec, the rows (spec, nodes, summary))."""
     g = model.config.n_drafts
     candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
@@ -143,7 +146,7 @@ def tree_search(model, calibration, cfg, kw, log):
     if max(ar_ms) > 2 * min(ar_ms):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
                    "calibration prompts of the tree search")
-    return best[0]
+    return best[0], rows
 
 
 def choose_tree(model, calibration, cfg, kw, log):
@@ -151,7 +154,11 @@ def choose_tree(model, calibration, cfg, kw, log):
     tree object, whose shapes are built on first use, warms up on the calibration prompts."""
     spec = cfg["tree"]
     if spec == "auto" or cfg["sweep"]:
-        best = tree_search(model, calibration, cfg, kw, log)
+        best, rows = tree_search(model, calibration, cfg, kw, log)
+        if cfg["plot"]:
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
+                             cfg["tie_margin"])
+            log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)
     run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
@@ -538,6 +545,9 @@ def bench(cfg, device, dtype, progress):
 def main(argv=None):
     cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost", "suite"))
     check(cfg, RULES)
+    if cfg["plot"]:  # matplotlib, the file and one tree search to draw, before any work
+        searched = (cfg["tree"] == "auto" or cfg["sweep"]) and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"])
+        plot.check(cfg["plot"], searched)
     for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
         make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
     if cfg["suite"]:

@@ -5,6 +5,7 @@
     python sample.py --speculative --temperature=0    # greedy: the same text as without --speculative
     python sample.py --speculative --tree=n16 --start="def main():"
     python sample.py --start=FILE:prompt.txt --top_p=0.95
+    python sample.py --speculative --trace=trace.html # every pass's tree, verification and mask, as a page
 
 The sampling defaults are nanoGPT's (temperature 0.8, top-k 200). Sampling with
 --speculative draws from the same distribution as plain decoding, not the same draws;
@@ -13,7 +14,9 @@ token for token: that is the exactness check.
 
 stdout holds only the samples (prompt + continuation, separated by a line of dashes);
 per-sample statistics and diagnostics go to stderr. With --speculative on a terminal,
-each pass's tokens are shown in alternating colours.
+each pass's tokens are shown in alternating colours. --trace=FILE.html (or .json) records
+every pass of the first sample: what the streams drafted, what the main stream accepted and
+the attention mask it used (ss_mini/trace.py); the page opens from disk in any browser.
 """
 import os
 import sys
@@ -24,6 +27,7 @@ import torch
 from ss_mini.checkpoint import load_model
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.generate import compiled, generate_ar, generate_speculative
+from ss_mini.trace import Trace, check_path
 from ss_mini.tree import make_tree
 
 config = dict(
@@ -43,6 +47,7 @@ config = dict(
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
     compile=False,  # compile the forward pass (torch.compile): the first sample pays about a minute on a CPU
+    trace="",  # FILE.html or FILE.json: record every pass of the first sample (with --speculative)
 )
 RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0), top_k=at_least(0),
              top_p=in_range(0.0, 1.0, lo_open=True), prune_threshold=in_range(0.0, 1.0), threads=at_least(0),
@@ -68,6 +73,12 @@ def main(argv=None):
     elif cfg["prune_threshold"] and cfg["temperature"] > 0:
         raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at --temperature="
                          f"{cfg['temperature']}): add --temperature=0")
+    if cfg["trace"]:
+        if not cfg["speculative"]:
+            raise UsageError("--trace records the passes of speculative decoding: add --speculative")
+        check_path(cfg["trace"])
+        if cfg["num_samples"] > 1:
+            print(f"note: --trace records the first of the {cfg['num_samples']} samples", file=sys.stderr)
     text = read_prompt(cfg["start"])
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
@@ -103,9 +114,15 @@ def main(argv=None):
 
         kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"],
                   seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
+        trace = None
+        if cfg["trace"] and i == 0:
+            trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree),
+                          temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
+                          prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
         if speculative:
-            _, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree,
-                                            prune_threshold=cfg["prune_threshold"], **kw)
+            out, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree,
+                                              prune_threshold=cfg["prune_threshold"],
+                                              on_pass=trace.on_pass if trace else None, **kw)
         else:
             _, stats = generate_ar(model, prompt, cfg["max_new_tokens"], **kw)
         sys.stdout.write("\n---------------\n")
@@ -113,6 +130,11 @@ def main(argv=None):
         print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {stats.new_tokens} new tokens, "
               f"{stats.tokens_per_s:.0f} tokens/s, {stats.passes} forward passes, "
               f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
+        if trace:
+            trace.finish(prompt, out)
+            trace.save(cfg["trace"])
+            print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include "
+                  "recording it)", file=sys.stderr)
 
 
 if __name__ == "__main__":

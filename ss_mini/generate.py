@@ -2,7 +2,8 @@
 (`generate_speculative`). Both return (new tokens, Stats) and call `on_tokens` with each
 pass's tokens as soon as they are final. Each is a loop around one step function
 (`ar_step`, `speculative_step`), which bench.py also times on its own; `compiled(model)`
-gives both the same model with its forward pass compiled.
+gives both the same model with its forward pass compiled. `on_pass`, when given, receives
+what each speculative pass drafted, verified and accepted (sample.py --trace, trace.py).
 
 One speculative step (paper §3.2), `speculative_step`:
   1. tree draft: root r (the next token, already decided) plus candidates ranked per
@@ -253,19 +254,22 @@ def walk(ys, tokens, children):
         u = c
 
 
-def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0):
+def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0, on_pass=None):
     """One forward pass of Speculative Streaming: verify the tree drafted from draft_logits, draft the next.
 
     root: (1,) the next token, decided but not yet cached; draft_logits: (tree.n_drafts, V) the
     streams' logits at the last accepted position. Returns (path, y, root, draft_logits,
     n_nodes): the path's tokens (root first), now cached; y, the token after them (the next
     root, also as a (1,) tensor); the next draft logits; the number of nodes verified.
+    on_pass: called with what the pass drafted, verified and accepted (a dict; trace.py
+    records it), or None.
     """
     L = cache.length
     # 1. tree draft: candidates ranked per depth, placed into the tree's shape
     ranked, draft_probs = sampler.draft(draft_logits, tree.width)
     shape = tree.shape(draft_logits, max_depth)
     tokens = shape.tokens(root, ranked)
+    drafted = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
         tokens, shape, main_logits, draft_hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
@@ -278,16 +282,21 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     path, y = walk(ys, toks, shape.children)
     # 4. accept: keep the path's K/V; the streams of its last node draft the next step
     cache.accept(path)
+    if on_pass is not None:
+        on_pass(dict(cache_length=L, draft_logits=draft_logits, draft_probs=draft_probs, drafted_tokens=drafted[0],
+                     drafted_shape=drafted[1], tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
+                     n_drafts=tree.n_drafts))
     u = path[-1]
     return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(draft_hidden[0, u]), shape.n_nodes
 
 
 @torch.inference_mode()
 def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
-                         eot=None, on_tokens=None, prune_threshold=0.0):
+                         eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only)."""
+    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only).
+    on_pass: called after each decode pass with what it did (see speculative_step; trace.py)."""
     cfg = model.config
     if prune_threshold and not cfg.prune_adapter_rank:
         raise ValueError("prune_threshold needs a model trained with a pruning adapter (--prune_adapter_rank=8)")
@@ -319,7 +328,7 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
             stats.passes += 1
         max_depth = T - 1 - cache.length  # positions stay < block_size
         path, y, root, draft_logits, n_nodes = speculative_step(model, cache, root, draft_logits, tree, sampler,
-                                                                max_depth, prune_threshold)
+                                                                max_depth, prune_threshold, on_pass)
         ctx.extend(path)
         new = path[1:] + [y]  # the pass's tokens: the root was emitted by the pass before
         if eot is not None and eot in new:

@@ -41,7 +41,7 @@ def search(monkeypatch, timings, **cfg):
     monkeypatch.setattr(bench, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=4))
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
-    return bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None), asked
+    return bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)[0], asked
 
 
 def test_tree_search_takes_the_smallest_tree_within_the_tie_margin(monkeypatch):

@@ -229,8 +229,9 @@ def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
     monkeypatch.setattr(bench, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=3))
     cfg = dict(bench.config, candidates="1,1,1;n4;3,2,1", calibration_tokens=64)
-    best = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
+    best, rows = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
     assert best == "1,1,1"  # 12 ms of AR against 6 ms (n4: 9 ms, 3,2,1: 9 ms)
+    assert [(spec, n, r["mean_accepted"]) for spec, n, r in rows] == [("1,1,1", 4, 3), ("n4", 4, 2), ("3,2,1", 16, 4)]
     assert calls[:4] == [("warm-up", "p0")] * 4  # every decoder warms up on the first prompt
     calls = calls[4:]
     assert [p for _, p in calls] == ["p0"] * 4 + ["p1"] * 4  # every decoder on p0, then on p1
