@@ -166,24 +166,34 @@ class Tokenizer:
 
 # ----------------------------------------------------------------------------- prepare
 
-def dataset_dir(data_dir, dataset, tokenizer):
+def dataset_dir(data_dir, dataset, tokenizer, chars=None):
     if dataset.startswith("text:"):
         path = dataset[5:]
         tag = hashlib.sha256(open(path, "rb").read()).hexdigest()[:10] if os.path.isfile(path) else "missing"
         name = f"text-{os.path.splitext(os.path.basename(path))[0]}-{tag}"
     else:
         name = dataset
+    if chars is not None:  # a given vocabulary gives other ids than the dataset's own: another folder
+        return os.path.join(data_dir, f"{name}-vocab-{hashlib.sha256(chars.encode()).hexdigest()[:10]}")
     return os.path.join(data_dir, f"{name}-{tokenizer}")
 
 
-def prepare(dataset="python", tokenizer="char", data_dir="data"):
-    """Tokenise a dataset once into train.bin / val.bin (uint16) plus meta.json; reuse it after."""
-    out = dataset_dir(data_dir, dataset, tokenizer)
+def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
+    """Tokenise a dataset once into train.bin / val.bin (uint16) plus meta.json; reuse it after.
+    chars: a char vocabulary to encode with (a model's, e.g. nanoGPT's meta.pkl) instead of
+    one built from the dataset; a character outside it is an error."""
+    out = dataset_dir(data_dir, dataset, tokenizer, chars)
     meta_path = os.path.join(out, "meta.json")
     if os.path.exists(meta_path):
         return out, json.load(open(meta_path))
     train_docs, val_docs, source = split_documents(dataset)
-    if tokenizer == "char":
+    if chars is not None:
+        unknown = sorted({c for _, t in train_docs + val_docs for c in t} - set(chars))
+        if unknown:
+            raise ValueError(f"--dataset={dataset} has {len(unknown)} character(s) outside the model's vocabulary of "
+                             f"{len(chars)}: {''.join(unknown[:40])!r}; remove them from the text")
+        tok = Tokenizer({"tokenizer": "char", "chars": chars})
+    elif tokenizer == "char":
         chars = "".join(sorted({c for _, t in train_docs + val_docs for c in t}))
         if len(chars) > 65535:
             raise ValueError(f"{len(chars)} distinct characters do not fit uint16: use --tokenizer=gpt2")
