@@ -127,7 +127,8 @@ def check_config(cfg, given):
             raise UsageError(f"{ckpt_path} exists: continue it with --init_from=resume, write elsewhere with "
                              "--out_dir=DIR, or replace it with --overwrite=True")
         if nanogpt:  # its weights, and its vocabulary: the dataset is encoded with nanoGPT's ids
-            source = import_nanogpt(cfg["init_from"][8:], cfg["dataset"], cfg["meta_pkl"])
+            source = import_nanogpt(cfg["init_from"][8:], cfg["dataset"], cfg["meta_pkl"],
+                                    cfg["block_size"] if "block_size" in given else None)
             kind = source["tokenizer"]["tokenizer"]
             if "tokenizer" in given and cfg["tokenizer"] != kind:
                 raise UsageError(f"--tokenizer={cfg['tokenizer']} contradicts {source['source']}, which uses "

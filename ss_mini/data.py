@@ -187,6 +187,7 @@ def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
     if os.path.exists(meta_path):
         return out, json.load(open(meta_path))
     train_docs, val_docs, source = split_documents(dataset)
+    kind = tokenizer if chars is None else f"the model's {len(chars)} characters"
     if chars is not None:
         unknown = sorted({c for _, t in train_docs + val_docs for c in t} - set(chars))
         if unknown:
@@ -217,7 +218,7 @@ def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
     with open(tmp, "w") as f:
         json.dump(meta, f)
     os.replace(tmp, meta_path)  # meta.json last: its presence means the folder is complete
-    print(f"prepared {dataset} ({tokenizer}): {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+    print(f"prepared {dataset} ({kind}): {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"in {out}", file=sys.stderr)
     return out, meta
 

@@ -132,10 +132,11 @@ def read_checkpoint(spec):
     return path, ckpt
 
 
-def import_nanogpt(spec, dataset="", meta_pkl=""):
+def import_nanogpt(spec, dataset="", meta_pkl="", block_size=None):
     """nanoGPT's model as ss_mini checkpoint fields: model_args (a GPTConfig without a drafter
     yet, exact GELU), the weights under ss_mini's names, the tokenizer meta, and meta_pkl
-    (the vocabulary's file, "" for GPT-2's BPE)."""
+    (the vocabulary's file, "" for GPT-2's BPE). block_size: keep only that many positions,
+    as nanoGPT's train.py crops a longer model (short contexts train faster)."""
     path, ckpt = read_checkpoint(spec)
     a = ckpt["model_args"]
     try:
@@ -160,6 +161,9 @@ def import_nanogpt(spec, dataset="", meta_pkl=""):
     for key, value in state.items():
         if value.shape != ours[key]:
             raise RuntimeError(f"{path}: {key} has shape {tuple(value.shape)}, its model_args give {tuple(ours[key])}")
+    if block_size and block_size < config.block_size:
+        config.block_size = block_size
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size]
     found, looked = find_meta(path, ckpt, dataset, meta_pkl)
     if found:
         chars = read_meta(found)

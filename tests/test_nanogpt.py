@@ -143,6 +143,9 @@ def test_logits_equal_nanogpts(tmp_path, bias, compiled, mask_buffers):
         torch.testing.assert_close(model(idx)[0], ref, rtol=0, atol=1e-5)
         tanh = imported_model({**source, "model_args": {**source["model_args"], "gelu_approximate": "tanh"}})
         assert (tanh(idx)[0] - ref).abs().max() > 1e-4  # GPT-2's GELU is not nanoGPT's: the field matters
+        cropped = imported_model(import_nanogpt(str(out), block_size=16))  # as nanoGPT's train.py crops
+        assert cropped.config.block_size == 16 and cropped.transformer.wpe.weight.shape[0] == 16
+        torch.testing.assert_close(cropped(idx[:, :16])[0], ref[:, :16], rtol=0, atol=1e-5)
 
 
 def test_greedy_continuation_equals_the_reference_loop(tmp_path):
