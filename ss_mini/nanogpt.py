@@ -159,8 +159,12 @@ def import_nanogpt(spec, dataset="", meta_pkl="", block_size=None):
             f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             for what, keys in (("unexpected", unexpected), ("missing", missing)) if keys))
     for key, value in state.items():
-        if value.shape != ours[key]:
-            raise RuntimeError(f"{path}: {key} has shape {tuple(value.shape)}, its model_args give {tuple(ours[key])}")
+        if not torch.is_tensor(value) or value.shape != ours[key]:
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise RuntimeError(f"{path}: {key} is {got}, its model_args give a tensor of shape {tuple(ours[key])}")
+    if not torch.equal(state["transformer.wte.weight"], state["lm_head.weight"]):
+        raise RuntimeError(f"{path}: lm_head and wte differ, and nanoGPT's GPT ties them: a modified nanoGPT, whose "
+                           "model this import would not reproduce exactly")
     if block_size and block_size < config.block_size:
         config.block_size = block_size
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size]

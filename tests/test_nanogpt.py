@@ -245,6 +245,10 @@ def test_bad_inputs_are_one_line_errors_and_touch_nothing(tmp_path):
     fork["model_args"] = {**fork["model_args"], "use_rmsnorm": True}
     torch.save(fork, tmp_path / "fork.pt")
     one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'fork.pt'}"], "a modified nanoGPT")
+    fork = dict(torch.load(nano / "ckpt.pt", weights_only=True))
+    fork["model"] = {**fork["model"], "lm_head.weight": fork["model"]["lm_head.weight"] + 1}
+    torch.save(fork, tmp_path / "untied.pt")
+    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'untied.pt'}"], "lm_head and wte differ")
     # a nanoGPT checkpoint where an ss_mini one is expected says how to import it
     one_line_error(base + [f"--init_from={nano / 'ckpt.pt'}"], "--init_from=nanogpt:")
     with pytest.raises(RuntimeError, match="is a nanoGPT checkpoint: add streams"):
