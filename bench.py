@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from ss_mini import plot
-from ss_mini.checkpoint import load_model
+from ss_mini.checkpoint import load_model, training_data
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
-from ss_mini.data import describe_fingerprint, load_split, prepare
+from ss_mini.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, prompt_speedups, repeat_rate,
                              run_interleaved, run_pair, step_bytes, summarize)
@@ -85,8 +85,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def validation_prompts(ckpt, tok, n, length):
     """n snippets of the checkpoint's held-out validation split, each starting at a line start."""
-    tcfg = ckpt["config"]
-    folder, _ = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["data_dir"])
+    folder, _ = training_data(ckpt)
     val = load_split(folder, "val")
     newline = tok.encode("\n")[0] if tok.kind == "char" else None
     prompts = []
@@ -208,8 +207,8 @@ def describe(config):
 @torch.no_grad()
 def val_loss(model, ckpt, windows=64):
     """Main-stream loss on the same evenly spaced windows of the held-out split."""
-    tcfg, T = ckpt["config"], model.config.block_size
-    folder, _ = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["data_dir"])
+    T = model.config.block_size
+    folder, _ = training_data(ckpt)
     val = load_split(folder, "val")
     starts = np.linspace(0, len(val) - T - 2, windows, dtype=np.int64)
     data = torch.from_numpy(np.stack([val[i:i + T + 1] for i in starts]).astype(np.int64))

@@ -4,6 +4,8 @@
     python train.py --dataset=shakespeare           # prose
     python train.py --n_streams=0 --out_dir=out-ar  # the same model without streams
     python train.py --init_from=out-ar/ckpt.pt --out_dir=out-ft   # add streams to it
+    python train.py --init_from=nanogpt:../nanoGPT/out-shakespeare-char --freeze_base=True \
+        --dataset=text:../nanoGPT/data/shakespeare_char/input.txt --out_dir=out-from-nanogpt  # streams for nanoGPT's model
     torchrun --nproc_per_node=2 train.py            # data-parallel
 """
 import math
@@ -21,6 +23,7 @@ from ss_mini.cli import UsageError, at_least, check, in_range, one_of, parse_arg
 from ss_mini.data import Tokenizer, fingerprint, load_split, prepare
 from ss_mini.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
+from ss_mini.nanogpt import import_nanogpt
 
 # ----------------------------------------------------------------------------- config
 config = dict(
@@ -28,7 +31,8 @@ config = dict(
     dataset="python",  # python | shakespeare | text:PATH
     tokenizer="char",  # char | gpt2
     data_dir="data",
-    init_from="scratch",  # scratch | resume (out_dir/ckpt.pt) | PATH of a checkpoint | gpt2:DIR or gpt2:NAME
+    init_from="scratch",  # scratch | resume (out_dir/ckpt.pt) | PATH of a checkpoint | gpt2:DIR or gpt2:NAME | nanogpt:PATH
+    meta_pkl="",  # nanogpt: its char vocabulary; "" = meta.pkl beside the dataset's text, else in nanoGPT's data/<dataset>/
     eval_interval=400,
     eval_iters=20,
     log_interval=25,
@@ -77,8 +81,9 @@ RULES = dict(
     max_iters=at_least(1), weight_decay=at_least(0.0), beta1=in_range(0.0, 1.0, hi_open=True),
     beta2=in_range(0.0, 1.0, hi_open=True), grad_clip=at_least(0.0), warmup_iters=at_least(0),
     min_lr=at_least(0.0), tokenizer=one_of("char", "gpt2"), stream_targets=one_of("data", "main", "greedy"),
-    init_from=(lambda v: v in ("scratch", "resume") or v.startswith("gpt2:") or os.path.exists(v),
-               "scratch, resume, gpt2:DIR or the path of a checkpoint that exists"),
+    init_from=(lambda v: v in ("scratch", "resume") or v.startswith(("gpt2:", "nanogpt:")) or os.path.exists(v),
+               "scratch, resume, gpt2:DIR, nanogpt:PATH (nanoGPT's out_dir) or the path of a checkpoint that exists"),
+    meta_pkl=(lambda v: not v or os.path.isfile(v), "the path of a nanoGPT meta.pkl that exists (or empty)"),
 )
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams", "n_msa_layers",
               "stream_loss_weight", "stream_targets", "stream_stride", "stream_adapter_rank", "n_medusa_heads",
@@ -98,7 +103,8 @@ def check_config(cfg, given):
     """Every flag against its meaning, and the run against what is on disk, before any work:
     a fresh run never replaces a checkpoint unless --overwrite=True says so; a resumed run
     takes its data, tokenizer and model from the checkpoint, and a flag that contradicts
-    them is an error. Returns the checkpoint to resume from, or None."""
+    them is an error. Returns the checkpoint to start from (to resume, to fine-tune, or
+    nanoGPT's, imported), or None."""
     check(cfg, RULES)
     if cfg["min_lr"] > cfg["learning_rate"]:
         raise UsageError(f"--min_lr={cfg['min_lr']} is above --learning_rate={cfg['learning_rate']}")
@@ -113,15 +119,31 @@ def check_config(cfg, given):
         if cfg["tokenizer"] != "gpt2":
             raise UsageError("--init_from=gpt2:... needs --tokenizer=gpt2 (GPT-2's own BPE)")
         find_gpt2_files(cfg["init_from"][5:])  # the weights exist before a dataset is tokenised
+    nanogpt = cfg["init_from"].startswith("nanogpt:")
+    if cfg["meta_pkl"] and not nanogpt:
+        raise UsageError("--meta_pkl is the vocabulary of a nanoGPT checkpoint: give it with --init_from=nanogpt:PATH")
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
     if cfg["init_from"] != "resume":
         if os.path.exists(ckpt_path) and not cfg["overwrite"]:
             raise UsageError(f"{ckpt_path} exists: continue it with --init_from=resume, write elsewhere with "
                              "--out_dir=DIR, or replace it with --overwrite=True")
-        return None
+        if nanogpt:  # its weights, and its vocabulary: the dataset is encoded with nanoGPT's ids
+            source = import_nanogpt(cfg["init_from"][8:], cfg["dataset"], cfg["meta_pkl"],
+                                    cfg["block_size"] if "block_size" in given else None)
+            kind = source["tokenizer"]["tokenizer"]
+            if "tokenizer" in given and cfg["tokenizer"] != kind:
+                raise UsageError(f"--tokenizer={cfg['tokenizer']} contradicts {source['source']}, which uses "
+                                 f"{source['meta_pkl'] or 'GPT-2 BPE'}: drop the flag")
+            cfg["tokenizer"], cfg["meta_pkl"] = kind, source["meta_pkl"]
+            return source
+        if cfg["init_from"] == "scratch" or cfg["init_from"].startswith("gpt2:"):
+            return None
+        source = load_checkpoint(cfg["init_from"])
+        cfg["meta_pkl"] = source.get("config", {}).get("meta_pkl", "")  # a model imported from nanoGPT keeps its vocabulary
+        return source
     ckpt = load_checkpoint(ckpt_path)
     saved = {**ckpt["config"], **ckpt["model_args"]}
-    for key in ("dataset", "tokenizer") + MODEL_KEYS:
+    for key in ("dataset", "tokenizer", "meta_pkl") + MODEL_KEYS:
         if key in given and cfg[key] != saved.get(key, cfg[key]):
             raise UsageError(f"--{key}={cfg[key]!r} contradicts {ckpt_path}, trained with {key}={saved[key]!r}: "
                              "drop the flag to resume, or train a new model in another --out_dir")
@@ -136,7 +158,7 @@ def check_config(cfg, given):
 def main(argv=None):
     given = set()
     cfg = parse_args(config, argv, __doc__, given=given)
-    resume_ckpt = check_config(cfg, given)
+    source = check_config(cfg, given)
     ddp = int(os.environ.get("RANK", -1)) != -1  # set by torchrun
     if ddp:
         import torch.distributed as dist
@@ -163,12 +185,14 @@ def main(argv=None):
     autocast = nullcontext() if dtype in ("float32", "float64") else torch.autocast(device_type, dtype=ptdtype)
 
     # ------------------------------------------------------------------------- data
+    # a vocabulary from nanoGPT's meta.pkl stays the model's: the dataset is encoded with it
+    chars = source["tokenizer"].get("chars") if cfg["meta_pkl"] else None
     if master:
-        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"])
+        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"], chars)
     if ddp:
         dist.barrier()  # rank 0 prepares, the others read what it wrote
     if not master:
-        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"])
+        folder, meta = prepare(cfg["dataset"], cfg["tokenizer"], cfg["data_dir"], chars)
     tokenizer = Tokenizer(meta)
     data = {s: load_split(folder, s) for s in ("train", "val")}
     corpus = fingerprint(folder, meta)  # stored with every checkpoint: bench prints it
@@ -185,7 +209,7 @@ def main(argv=None):
         cfg.update({k: getattr(model.config, k) for k in MODEL_KEYS})
     else:
         resume = cfg["init_from"] == "resume"
-        ckpt = resume_ckpt if resume else load_checkpoint(cfg["init_from"])
+        ckpt = source
         margs = dict(ckpt["model_args"])
         if ckpt["tokenizer"] != tokenizer.meta():
             raise UsageError(f"{cfg['init_from']} was trained with another vocabulary than {cfg['dataset']} "

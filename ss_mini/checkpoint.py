@@ -11,8 +11,9 @@ from dataclasses import asdict, fields
 
 import torch
 
-from .data import Tokenizer
+from .data import Tokenizer, prepare
 from .model import GPT, GPTConfig
+from .nanogpt import looks_like_nanogpt
 
 
 def save_checkpoint(ckpt, path):
@@ -39,6 +40,9 @@ def load_checkpoint(path, map_location="cpu"):
                            "retrain it or point to another one") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise RuntimeError(f"{path} is not an ss_mini checkpoint (no model/model_args); retrain it or point to another one")
+    if looks_like_nanogpt(ckpt):
+        raise RuntimeError(f"{path} is a nanoGPT checkpoint: add streams to it with python train.py "
+                           f"--init_from=nanogpt:{path} --dataset=text:PATH (its training text), then use that out_dir")
     return ckpt
 
 
@@ -61,3 +65,10 @@ def load_model(path, device="cpu", dtype=torch.float32):
     model.load_state_dict(ckpt["model"])
     model.to(device=device, dtype=dtype).eval()
     return model, Tokenizer(ckpt["tokenizer"]), ckpt
+
+
+def training_data(ckpt):
+    """(folder, meta) of the tokenised dataset a checkpoint was trained on, prepared as train.py did."""
+    tcfg = ckpt["config"]
+    chars = ckpt["tokenizer"].get("chars") if tcfg.get("meta_pkl") else None  # nanoGPT's vocabulary, not the dataset's
+    return prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["data_dir"], chars)

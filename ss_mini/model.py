@@ -54,6 +54,7 @@ class GPTConfig:
     stream_adapter_rank: int = 0  # > 0: stream-only low-rank adapters in the MSA layers (lossless mode, adapters.py)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
     prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter at layer N - Ns (paper: 8)
+    gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": the exact erf GELU of nanoGPT (ss_mini/nanogpt.py)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -64,6 +65,8 @@ class GPTConfig:
             raise ValueError("tree pruning (prune_adapter_rank > 0) acts before stream insertion: it needs n_streams > 0")
         if self.stream_targets not in ("data", "main", "greedy"):
             raise ValueError(f"stream_targets={self.stream_targets!r}: give data, main or greedy")
+        if self.gelu_approximate not in ("tanh", "none"):
+            raise ValueError(f"gelu_approximate={self.gelu_approximate!r}: give tanh (GPT-2) or none (exact, nanoGPT)")
         if self.stream_stride < 1:
             raise ValueError(f"stream_stride={self.stream_stride}: give 1 (streams at every position) or more")
         if self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer:
@@ -111,7 +114,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.stream_adapter = stream_adapter(config, config.n_embd, 4 * config.n_embd, msa)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)  # GPT-2's tanh form by default
         self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
