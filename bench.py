@@ -322,7 +322,7 @@ def step_costs(cfg, device, dtype, log):
     log("the floor under it: what the tree pass's extra matrix-product rows alone cost, in autoregressive steps, plus 1:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in floors.items()))
     ratios = list(costs.values())
-    if min(ratios) < 1.0 or any(b < a for a, b in zip(ratios, ratios[1:])):
+    if min(ratios) < 0.97 or any(b < 0.97 * a for a, b in zip(ratios, ratios[1:])):  # beyond 3% of timing noise
         print("warning: a step over more nodes costs less than one over fewer (or than the autoregressive step): the "
               "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/kernels.py)",
               file=sys.stderr, flush=True)

@@ -199,7 +199,7 @@ def main(argv=None):
 
     # ------------------------------------------------------------------------- model
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    iter_num, ckpt_val, ckpt = 0, float("inf"), None  # ckpt_val: val loss of the weights in ckpt_path
+    iter_num, ckpt_val, ckpt = 0, float("inf"), None  # ckpt_val: the selection loss of the weights in ckpt_path
     if cfg["init_from"] == "scratch":
         margs = {k: cfg[k] for k in MODEL_KEYS}
         model = GPT(GPTConfig(**margs, vocab_size=tokenizer.vocab_size))
@@ -228,7 +228,7 @@ def main(argv=None):
         if any(k.startswith("medusa_heads.") for k in missing):
             init_medusa_heads(model)  # new heads start from the loaded base head
         if resume:
-            iter_num, ckpt_val = ckpt["iter_num"], ckpt.get("val_loss", ckpt.get("best_val_loss"))
+            iter_num, ckpt_val = ckpt["iter_num"], ckpt.get("selection_loss", ckpt.get("val_loss"))
     if cfg["freeze_base"]:
         if not model.config.n_drafts:
             raise UsageError("--freeze_base=True trains only the drafter: give the model streams (--n_streams=3) "
@@ -296,20 +296,24 @@ def main(argv=None):
             if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
                 losses = estimate_loss()
                 val = losses["val"][0]
+                # a checkpoint is kept when what this run trains gets better: in lossless mode only the
+                # drafter learns and the main stream's loss cannot move, so there it is the streams' mean loss
+                score = sum(losses["val"][1:]) / len(losses["val"][1:]) if cfg["freeze_base"] else val
                 streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
                 log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
                     + (f"; val per stream: {streams}" if streams else ""))
                 # a worse model never replaces a better one, unless always_save_checkpoint says so
-                if master and iter_num > start_iter and (val < ckpt_val or cfg["always_save_checkpoint"]):
+                if master and iter_num > start_iter and (score < ckpt_val or cfg["always_save_checkpoint"]):
                     save_checkpoint(make_checkpoint(
-                        raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val,
+                        raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val, selection_loss=score,
                         val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
                         train_seconds=time.time() - t_start), ckpt_path)
-                    log(f"saved {ckpt_path} (val {val:.4f}" + ("" if val < ckpt_val else
+                    what = "the streams' mean val" if cfg["freeze_base"] else "val"
+                    log(f"saved {ckpt_path} ({what} {score:.4f}" + ("" if score < ckpt_val else
                         f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
-                    ckpt_val = val
+                    ckpt_val = score
                 elif master and iter_num > start_iter:
-                    log(f"not saved: val {val:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+                    log(f"not saved: {score:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
             if iter_num >= cfg["max_iters"]:
                 break
             for micro in range(cfg["gradient_accumulation_steps"]):
@@ -337,10 +341,11 @@ def main(argv=None):
                     f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt_avg * 1000:.0f} ms/iter and "
                     f"{tokens_per_iter / dt_avg:,.0f} tokens/s (moving average), {left / 60:.1f} min left")
     except KeyboardInterrupt:
-        where = (f"the last checkpoint is {ckpt_path} (val {ckpt_val:.4f}); continue with python train.py "
+        where = (f"the last checkpoint is {ckpt_path} (selection loss {ckpt_val:.4f}); continue with python train.py "
                  f"--init_from=resume --out_dir={cfg['out_dir']}" if os.path.exists(ckpt_path) else "no checkpoint written")
         raise SystemExit(f"\ninterrupted at iteration {iter_num}: {where}") from None
-    log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min; {ckpt_path} holds val loss {ckpt_val:.4f}")
+    log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min; {ckpt_path} holds "
+        + ("the streams' mean val loss" if cfg["freeze_base"] else "val loss") + f" {ckpt_val:.4f}")
     if ddp:
         dist.destroy_process_group()
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import decoding_kernels
 from .kvcache import KVCache
 from .masks import attention_mask
 from .pruning import pruned_pass
@@ -203,6 +204,7 @@ def ar_step(model, cache, root, sampler, positions):
     return sampler.pick(main_logits[0])
 
 
+@decoding_kernels
 @torch.inference_mode()
 def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, eot=None,
                 on_tokens=None):
@@ -290,6 +292,7 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(draft_hidden[0, u]), shape.n_nodes
 
 
+@decoding_kernels
 @torch.inference_mode()
 def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
                          eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None):

@@ -1,4 +1,6 @@
-"""The one CPU-specific choice of ss_mini: weights packed once for decoding's few-row products.
+"""The device-specific kernel choices of ss_mini, in one place, the same for both decoders.
+
+On a CPU: weights packed once for decoding's few-row products (`Linear`).
 
 Decoding multiplies big weights by few rows: one row in an autoregressive step, a few tens
 in a tree pass. Such a product should cost one read of the weight, at the machine's memory
@@ -11,7 +13,13 @@ autoregressive step) is a matrix-vector product that needs no packing: `F.linear
 there as a packed weight or faster, so the baseline keeps it. Training (gradients on), small
 weights, other devices, a torch without MKL and torch.compile keep `F.linear` too. The
 measurements are in docs/step-cost.md (`python bench.py --pass_cost --shape=12,12,768,50257`).
+
+On CUDA: attention without cuDNN's backend while decoding (`decoding_kernels`). PyTorch
+prefers cuDNN's fused attention for bf16 on recent GPUs, and it builds an execution plan for
+every new shape; a decoding pass has a new key length at every step.
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,11 +33,13 @@ class Linear(nn.Linear):
     """nn.Linear; in inference on a CPU, products of 2 to 64 rows on big weights use a packed weight."""
 
     def forward(self, x):
-        rows = x.numel() // self.in_features
-        if (MKL and 1 < rows <= FEW and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and self.in_features * self.out_features >= BIG and not torch.compiler.is_compiling()):
-            y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(), self.weight, self.bias, rows)
-            return y.view(*x.shape[:-1], self.out_features)
+        if MKL and self.in_features * self.out_features >= BIG and x.device.type == "cpu":  # small weights: F.linear
+            rows = x.numel() // self.in_features
+            if (1 < rows <= FEW and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                    and not torch.compiler.is_compiling()):
+                y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(), self.weight,
+                                              self.bias, rows)
+                return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def _packed(self):
@@ -40,3 +50,16 @@ class Linear(nn.Linear):
         if getattr(self, "_pack_key", None) != key:
             self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 16)
         return self._pack
+
+
+def decoding_kernels(decode):
+    """Decorator of the decoders (generate.py): on CUDA, attention runs on the fused kernels
+    that take any shape (flash, memory-efficient) or the math fallback, never cuDNN's."""
+    @functools.wraps(decode)
+    def run(model, *args, **kwargs):
+        if model.lm_head.weight.device.type != "cuda":
+            return decode(model, *args, **kwargs)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return decode(model, *args, **kwargs)
+    return run

@@ -55,8 +55,11 @@ class TreeShape:
         self.full_mask = attention_mask(self.parents, n_drafts, block_size, dtype=dtype, device=device)
 
     def mask(self, L):
-        """The attention mask of this tree after L cached tokens: a view, no work."""
-        return self.full_mask[:, self.block_size - L:]
+        """The attention mask of this tree after L cached tokens: a view, no work on a CPU. A GPU
+        gets a copy: its fused attention kernels need the mask's memory aligned, and a view
+        starts wherever L puts it."""
+        mask = self.full_mask[:, self.block_size - L:]
+        return mask if mask.device.type == "cpu" else mask.contiguous()
 
     def tokens(self, root, ranked):
         """The tree's tokens: the root (1,), then each node's candidate from ranked (depths, width)."""

@@ -193,8 +193,8 @@ def test_lossless_fine_tune_then_sample_and_bench(tmp_path, capsys):
         assert torch.equal(main, base(idx)[0])
         torch.testing.assert_close(main, reference_logits(sd, 2, idx), rtol=0, atol=1e-5)
     capsys.readouterr()
-    sample.main([f"--out_dir={out}", "--start=ROMEO:", "--max_new_tokens=20"])
-    sample.main([f"--out_dir={out}", "--speculative", "--start=ROMEO:", "--max_new_tokens=20"])
+    sample.main([f"--out_dir={out}", "--start=ROMEO:", "--max_new_tokens=20", "--temperature=0"])
+    sample.main([f"--out_dir={out}", "--speculative", "--start=ROMEO:", "--max_new_tokens=20", "--temperature=0"])
     ar_text, ss_text = capsys.readouterr().out.split("\n---------------\n")[:2]
     assert ar_text == ss_text and ar_text.startswith("ROMEO:") and len(ar_text) == 26
     result = bench.main([f"--out_dir={out}", "--num_prompts=2", "--prompt_tokens=8", "--max_new_tokens=8",

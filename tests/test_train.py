@@ -60,6 +60,8 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
         with_streams = trained(idx)[0]  # in a pass that also carries stream rows, matmul shapes differ
         torch.testing.assert_close(with_streams, main, rtol=0, atol=1e-5)
     assert not torch.equal(trained.transformer.h[1].attn.stream_adapter.up.weight, torch.zeros(48, 2))
+    ckpt = load_checkpoint(str(lossless))  # the main stream's loss cannot move: checkpoints follow the streams' loss
+    assert ckpt["selection_loss"] == pytest.approx(sum(ckpt["val_losses"][1:]) / 2) and "streams' mean val" in r.stdout
     # the Medusa baseline on the frozen base, then the Table-1 style report of all three
     medusa = tmp_path / "medusa"
     r = run("train.py", f"--out_dir={medusa}", *common, "--max_iters=3", "--eval_interval=3", "--n_streams=0",
