@@ -38,19 +38,19 @@ config = dict(
     log_interval=25,
     always_save_checkpoint=False,  # else only when val loss improves on the checkpoint's
     overwrite=False,  # a fresh run (init_from != resume) may replace out_dir/ckpt.pt
-    # model (GPTConfig): the default trains in ~9 minutes on 2 CPU cores and decodes fast (see README)
+    # model (GPTConfig): small enough to train on a laptop's CPU in minutes; why each default: docs/defaults.md
     n_layer=4,
     n_head=4,
     n_embd=128,
     block_size=128,
     dropout=0.0,
     bias=True,
-    n_streams=4,  # gamma, as the paper; on code CR 3.76 and 1.98x against 3.24 and 1.81x with 3 (README)
+    n_streams=4,  # gamma, as the paper; the fourth stream pays on code (docs/defaults.md)
     n_msa_layers=1,
-    stream_loss_weight=0.3,  # alpha_j of Eq. 5; 0.3 drafted better than 0.1 at the same main val loss (README)
+    stream_loss_weight=0.3,  # alpha_j of Eq. 5 (paper: 0.1); 0.3 drafts better at the same main loss (docs/defaults.md)
     stream_targets="main",  # main (distil the main stream at t+j) | data (x_{t+1+j}, the paper's Eq. 5) | greedy
-    # (the main stream along its own greedy continuation: for a lossless fine-tune with freeze_base, README)
-    stream_stride=2,  # streams at every k-th position of a batch: ~30% cheaper steps at k=2; 1 = all, as the paper
+    # (the main stream along its own greedy continuation: for a lossless fine-tune, docs/lossless-prose.md)
+    stream_stride=2,  # streams at every k-th position of a batch: cheaper steps; 1 = all, as the paper
     stream_adapter_rank=0,  # > 0: low-rank stream-only adapters in the MSA layers (for freeze_base)
     n_medusa_heads=0,  # the Medusa baseline drafter instead of streams (use with --n_streams=0)
     prune_adapter_rank=0,  # > 0: train a parallel tree pruning adapter of this rank (paper: 8)

@@ -80,7 +80,7 @@ def _race(weights, gen):
     their argmax is a draw from the weights w (normalised or not), their top k in order a draw
     of k without replacement (Gumbel-top-k), and a token of weight 0 gets -inf, never drawn
     while another can be; no host sync (gpt-fast samples so). E comes as -log U because
-    uniform_ and log_ are cheaper than exponential_ on a CPU (docs/sampling.md)."""
+    uniform_ and log_ are cheaper than exponential_ on a CPU (docs/step-cost.md)."""
     return torch.empty_like(weights).uniform_(generator=gen).log_() / weights
 
 

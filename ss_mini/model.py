@@ -20,7 +20,7 @@ nodes half-way through a pass.
 Around the method, each in its own file and reached from here through one hook:
 stream-only adapters of the lossless mode (adapters.py), Medusa heads, the paper's
 baseline drafter (medusa.py), the tree-pruning adapter (pruning.py), distilled stream
-targets (distill.py) and the CPU's few-row product orientation (kernels.py).
+targets (distill.py) and the device-specific kernel choices (kernels.py).
 """
 import math
 from dataclasses import dataclass
