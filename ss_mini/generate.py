@@ -271,7 +271,7 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     ranked, draft_probs = sampler.draft(draft_logits, tree.width)
     shape = tree.shape(draft_logits, max_depth)
     tokens = shape.tokens(root, ranked)
-    drafted = tokens, shape  # the tree before pruning, for on_pass
+    drafted_tokens, drafted_shape = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
         tokens, shape, main_logits, draft_hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
@@ -285,8 +285,8 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     # 4. accept: keep the path's K/V; the streams of its last node draft the next step
     cache.accept(path)
     if on_pass is not None:
-        on_pass(dict(cache_length=L, draft_logits=draft_logits, draft_probs=draft_probs, drafted_tokens=drafted[0],
-                     drafted_shape=drafted[1], tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
+        on_pass(dict(cache_length=L, draft_logits=draft_logits, draft_probs=draft_probs, drafted_tokens=drafted_tokens,
+                     drafted_shape=drafted_shape, tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
                      n_drafts=tree.n_drafts))
     u = path[-1]
     return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(draft_hidden[0, u]), shape.n_nodes
