@@ -33,3 +33,31 @@ def tiny_ckpt(tmp_path_factory):
                 "--block_size=48", "--batch_size=8", "--max_iters=120", "--eval_interval=60", "--eval_iters=2",
                 "--log_interval=1000", "--warmup_iters=10", "--learning_rate=3e-3"])
     return out
+
+
+def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
+    """bench.tree_search on fake decoders over the prompts p0, p1: timings maps a tree to
+    (tokens per pass, ms per pass); an autoregressive pass takes 1 ms. Returns the chosen tree,
+    the search's rows and every call as (decoder, prompt, max_new_tokens)."""
+    import bench
+    from types import SimpleNamespace
+    from ss_mini.generate import Stats
+    calls = []
+
+    def fake_ar(model, prompt, max_new_tokens, **kw):
+        calls.append(("ar", prompt, max_new_tokens))
+        return [0] * 24, Stats(new_tokens=24, passes=24, accepted=[1] * 24, seconds=24e-3)
+
+    def fake_ss(model, prompt, tree, max_new_tokens, **kw):
+        calls.append((repr(tree), prompt, max_new_tokens))
+        tau, ms = timings[repr(tree)]
+        passes = 24 // tau
+        return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
+                               seconds=passes * ms * 1e-3)
+
+    monkeypatch.setattr(bench, "generate_ar", fake_ar)
+    monkeypatch.setattr(bench, "generate_speculative", fake_ss)
+    model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
+    cfg = dict(bench.config, candidates=";".join(timings), **cfg)
+    best, rows = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
+    return best, rows, calls

@@ -3,13 +3,11 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
-import pytest
 
 import bench
+from conftest import fake_tree_search
 from ss_mini import measure
-from ss_mini.generate import Stats
 from ss_mini.measure import over_runs
 from ss_mini.report import shell_quote
 
@@ -22,26 +20,10 @@ def run(*args, cwd=None):
 
 
 def search(monkeypatch, timings, **cfg):
-    """bench.tree_search on fake decoders: timings maps a tree to (tokens per pass, ms per pass);
-    an autoregressive pass takes 1 ms. Returns the chosen tree and the max_new_tokens of every call."""
-    asked = []
-
-    def fake_ar(model, prompt, max_new_tokens, **kw):
-        asked.append(max_new_tokens)
-        return [0] * 24, Stats(new_tokens=24, passes=24, accepted=[1] * 24, seconds=24e-3)
-
-    def fake_ss(model, prompt, tree, max_new_tokens, **kw):
-        asked.append(max_new_tokens)
-        tau, ms = timings[repr(tree)]
-        passes = 24 // tau
-        return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=passes * ms * 1e-3)
-
-    monkeypatch.setattr(bench, "generate_ar", fake_ar)
-    monkeypatch.setattr(bench, "generate_speculative", fake_ss)
-    model = SimpleNamespace(config=SimpleNamespace(n_drafts=4))
-    cfg = dict(bench.config, candidates=";".join(timings), **cfg)
-    return bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)[0], asked
+    """The tree search's choice on fake decoders (conftest.fake_tree_search), and the
+    max_new_tokens of every call."""
+    best, _, calls = fake_tree_search(monkeypatch, timings, **cfg)
+    return best, [tokens for _, _, tokens in calls]
 
 
 def test_tree_search_takes_the_smallest_tree_within_the_tie_margin(monkeypatch):

@@ -209,30 +209,12 @@ def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
     """bench's tree search runs the autoregressive decoder and every candidate on one prompt
     before the next prompt starts (so a burst of load spreads over the candidates), ranks every
     tree against that one baseline and returns the fastest."""
-    import bench
-    from types import SimpleNamespace
-    from ss_mini.generate import Stats
+    from conftest import fake_tree_search
 
-    calls = []
-
-    def fake_ar(model, prompt, **kw):
-        calls.append(("ar", prompt) if kw["max_new_tokens"] == 64 else ("warm-up", prompt))
-        return [0] * 12, Stats(new_tokens=12, passes=12, accepted=[1] * 12, seconds=12e-3)
-
-    def fake_ss(model, prompt, tree, **kw):  # tokens a pass and ms a pass per tree
-        calls.append((repr(tree), prompt) if kw["max_new_tokens"] == 64 else ("warm-up", prompt))
-        tau = {"1,1,1": 3, "n4": 2, "3,2,1": 4}[repr(tree)]
-        cost = {"1,1,1": 1.5, "n4": 1.5, "3,2,1": 3.0}[repr(tree)]  # 3,2,1: more tokens, dearer passes
-        passes = 12 // tau
-        return [0] * 12, Stats(new_tokens=12, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=passes * cost * 1e-3)
-
-    monkeypatch.setattr(bench, "generate_ar", fake_ar)
-    monkeypatch.setattr(bench, "generate_speculative", fake_ss)
-    model = SimpleNamespace(config=SimpleNamespace(n_drafts=3))
-    cfg = dict(bench.config, candidates="1,1,1;n4;3,2,1", calibration_tokens=64)
-    best, rows = bench.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
-    assert best == "1,1,1"  # 12 ms of AR against 6 ms (n4: 9 ms, 3,2,1: 9 ms)
+    timings = {"1,1,1": (3, 1.5), "n4": (2, 1.5), "3,2,1": (4, 3.0)}  # 3,2,1: more tokens, dearer passes
+    best, rows, calls = fake_tree_search(monkeypatch, timings, n_drafts=3, calibration_tokens=64)
+    calls = [(d, p) if tokens == 64 else ("warm-up", p) for d, p, tokens in calls]
+    assert best == "1,1,1"  # 24 ms of AR against 12 ms (n4: 18 ms, 3,2,1: 18 ms)
     assert [(spec, n, r["mean_accepted"]) for spec, n, r in rows] == [("1,1,1", 4, 3), ("n4", 4, 2), ("3,2,1", 16, 4)]
     assert calls[:4] == [("warm-up", "p0")] * 4  # every decoder warms up on the first prompt
     calls = calls[4:]
