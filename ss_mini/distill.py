@@ -30,9 +30,6 @@ def stream_teacher(model, idx, main_logits, where):
     return lambda j, t: continuation[:, :len(t), j - 1]
 
 
-_masks = {}  # the tree mask of a continuation, per (length, positions, gamma, device)
-
-
 @torch.no_grad()
 def greedy_continuation(model, idx, where=None):
     """(B, m, gamma, V): for each position t in `where` (m of them; None = every position), the
@@ -48,11 +45,11 @@ def greedy_continuation(model, idx, where=None):
     dev, g = idx.device, model.config.n_drafts
     t = torch.arange(T, device=dev) if where is None else torch.tensor(list(where), device=dev)
     m = len(t)
-    key = (T, where and (where.start, where.step), g, dev)
-    if key not in _masks:  # the chain, then level j: parent t (j = 1) or the node of level j - 1
+    masks, key = model._chain_mask_cache, ("greedy", T, where and (where.start, where.step), dev)
+    if key not in masks:  # built once, beside the training masks: the chain, then level j (parent t, or level j - 1)
         parents = list(range(-1, T - 1)) + t.tolist() + [T + i for i in range((g - 1) * m)]
-        _masks[key] = attention_mask(parents, device=dev)
-    mask = _masks[key]
+        masks[key] = attention_mask(parents, device=dev)
+    mask = masks[key]
     was_training = model.training
     model.eval()
     try:
