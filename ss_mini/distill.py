@@ -54,12 +54,12 @@ def greedy_continuation(model, idx, where=None):
     model.eval()
     try:
         cache = KVCache(model.config, T + g * m, batch_size=B, device=dev, dtype=model.lm_head.weight.dtype)
-        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T, :T], cache=cache, n_drafts=0)
+        logits, _, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T, :T], cache=cache, n_drafts=0)
         cache.accept(T)
         y, probs = logits[:, t].argmax(-1), []
         for j in range(1, g + 1):
             end = T + j * m
-            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end, :end], cache=cache,
+            logits, _, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end, :end], cache=cache,
                                             n_drafts=0)
             cache.accept(m)
             probs.append(torch.softmax(logits.float(), dim=-1))

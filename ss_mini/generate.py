@@ -190,16 +190,18 @@ def _prefill(model, ctx, cache, n_drafts):
     n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
     idx = torch.tensor([ctx], dtype=torch.long, device=dev)
     mask = attention_mask(range(-1, n - 1), model.streams_in_pass(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
-    main_logits, draft_hidden = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
-                                                    stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
+    main_logits, draft_hidden, draft_logits = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
+                                                                  stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
     cache.accept(n)
-    return main_logits[0, -1], (model.draft_logits(draft_hidden[0, -1]) if n_drafts != 0 else None)
+    if draft_logits is None and draft_hidden is not None:  # Medusa's heads
+        draft_logits = model.draft_logits(draft_hidden)
+    return main_logits[0, -1], (draft_logits[0, -1] if n_drafts != 0 else None)
 
 
 def ar_step(model, cache, root, sampler, positions):
     """One autoregressive pass: cache the root (1,), return the token after it (1,)."""
     L = cache.length
-    main_logits, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
+    main_logits, _, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
     cache.accept(1)
     return sampler.pick(main_logits[0])
 
@@ -274,10 +276,11 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     drafted_tokens, drafted_shape = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
-        tokens, shape, main_logits, draft_hidden = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
-    else:
-        main_logits, draft_hidden = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L), cache=cache,
-                                                        n_drafts=tree.n_drafts)
+        tokens, shape, main_logits, draft_hidden, root_draft_logits = pruned_pass(model, tokens, shape, tree, cache,
+                                                                                  prune_threshold)
+    else:  # root_draft_logits: a one-node pass's draft logits, from the main row's LM head call
+        main_logits, draft_hidden, root_draft_logits = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L),
+                                                                           cache=cache, n_drafts=tree.n_drafts)
     # 3. verify: the token the target emits at every node; walk while a child carries it
     ys_t = sampler.verify(main_logits[0], draft_probs, ranked, shape)
     ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
@@ -289,7 +292,8 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
                      drafted_shape=drafted_shape, tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
                      n_drafts=tree.n_drafts))
     u = path[-1]
-    return [toks[i] for i in path], y, ys_t[u:u + 1], model.draft_logits(draft_hidden[0, u]), shape.n_nodes
+    next_draft_logits = model.draft_logits(draft_hidden[0, u]) if root_draft_logits is None else root_draft_logits[0, 0]
+    return [toks[i] for i in path], y, ys_t[u:u + 1], next_draft_logits, shape.n_nodes
 
 
 @decoding_kernels

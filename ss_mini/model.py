@@ -226,10 +226,14 @@ class GPT(nn.Module):
         mask: from `attention_mask` for these nodes (and their streams, if any run), with the
         cached prefix as its first columns; None for one node that sees every key.
         stream_idx: the nodes that carry streams (None = all). n_drafts: see `streams_in_pass`.
-        Returns the main logits (B, n, V) (only the last node's with last_only) and the
-        drafter's hidden states: (B, m, g, d) for the streams of m nodes, (B, m, d) for Medusa,
-        or None. `draft_logits` turns them into logits; the LM head runs on the main rows
-        only, so a pass pays for draft logits only where they are used (the accepted node).
+        Returns the main logits (B, n, V) (only the last node's with last_only), the drafter's
+        hidden states: (B, m, g, d) for the streams of m nodes, (B, m, d) for Medusa, or None,
+        and draft logits (B, 1, g, V) when streams ran on one node only, else None.
+        The LM head runs on the main rows, and `draft_logits` turns the hidden states of the
+        accepted node into draft logits after verify: a pass pays for the draft logits of one
+        node only. When one node carries streams (a one-node pass, the prefill), that node is
+        the one accepted, and its stream rows join its main row in one LM head call: a step
+        then reads the head once, as an autoregressive step does.
         """
         x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
         return self.forward_top(x, mask, stream_idx, cache, n_drafts, last_only)
@@ -264,7 +268,10 @@ class GPT(nn.Module):
         elif cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
             draft_hidden = x[:, :n] if stream_idx is None else x[:, stream_idx]
         main_hidden = x[:, n - 1:n] if last_only else x[:, :n]
-        return self.lm_head(main_hidden), draft_hidden
+        if g and x.shape[1] == n + g and main_hidden.shape[1] == 1:  # one node's rows, adjacent: one head call
+            logits = self.lm_head(x[:, n - 1:])
+            return logits[:, :1], draft_hidden, logits[:, 1:].unsqueeze(1)
+        return self.lm_head(main_hidden), draft_hidden, None
 
     def draft_logits(self, draft_hidden):
         """Draft logits from the drafter's hidden states: the shared LM head for stream rows
@@ -307,7 +314,7 @@ class GPT(nn.Module):
         where = None if k == 1 else range(offset, T, k)  # the positions that carry streams
         mask = self.chain_mask(T, idx.device, where)
         h = self.forward_bottom(idx, torch.arange(T, device=idx.device), mask)
-        main_logits, draft_hidden = self.forward_top(h, mask, where and list(where))
+        main_logits, draft_hidden, _ = self.forward_top(h, mask, where and list(where))
         draft_logits = self.draft_logits(draft_hidden) if draft_hidden is not None else None
         if targets is None:
             return main_logits, draft_logits, None

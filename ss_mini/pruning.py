@@ -30,8 +30,8 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
 
     tokens: (n,) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
     it. At layer N - Ns the early transition probability of every edge decides which nodes
-    survive; a dropped node takes its subtree with it. Returns (tokens, shape, main logits,
-    draft hidden states) of the surviving nodes, root first. The bottom layers' cached K/V
+    survive; a dropped node takes its subtree with it. Returns the surviving nodes' tokens
+    and shape, root first, then what GPT.forward_top returns for them. The bottom layers' cached K/V
     of the kept nodes move to slots L..L+kept-1; those of dropped nodes are simply not kept.
     """
     L, n = cache.length, shape.n_nodes
@@ -51,5 +51,4 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
             first_msa = model.config.n_layer - model.config.n_msa_layers
             cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
             h, tokens = h[:, k], tokens[k]
-    main_logits, draft_hidden = model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts)
-    return tokens, shape, main_logits, draft_hidden
+    return (tokens, shape, *model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts))

@@ -214,6 +214,20 @@ def test_ar_sampling_is_exact(kw):
     assert not [seq for seq in counts if probs[seq] == 0] and _chi_square_ok(counts, probs, 1000)[0]
 
 
+def _rig_drafts(monkeypatch, model, rig):
+    """The streams' logits replaced by rig(logits) wherever a pass computes them: after verify
+    (GPT.draft_logits) or in the LM head call of a one-node pass or prefill (GPT.forward_top)."""
+    draft_logits, top = model.draft_logits, model.forward_top
+
+    def forward_top(*args, **kwargs):
+        main_logits, draft_hidden, one_node_draft_logits = top(*args, **kwargs)
+        return main_logits, draft_hidden, one_node_draft_logits if one_node_draft_logits is None else rig(
+            one_node_draft_logits)
+
+    monkeypatch.setattr(model, "draft_logits", lambda h: rig(draft_logits(h)))
+    monkeypatch.setattr(model, "forward_top", forward_top)
+
+
 def _constant(V=5, logits=(2.0, 1.5, 1.0, 0.5, 0.0)):
     """A model whose every row, main or stream, gives the same logits whatever the context."""
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=64, vocab_size=V, n_streams=3, n_msa_layers=1))
@@ -237,8 +251,7 @@ def test_drafts_outside_the_target_support_are_always_rejected(monkeypatch):
     """q and p with disjoint supports: every draft is rejected and the output is still p."""
     model = _constant(logits=(2.0, 1.5, -1.0, -1.0, -1.0))
     kw = dict(temperature=1.0, top_k=2)  # p lives on tokens 0 and 1
-    draft_logits = model.draft_logits
-    monkeypatch.setattr(model, "draft_logits", lambda h: torch.full_like(draft_logits(h), -30.0).index_fill_(
+    _rig_drafts(monkeypatch, model, lambda q: torch.full_like(q, -30.0).index_fill_(
         -1, torch.tensor([2, 3]), 5.0))  # q lives on tokens 2 and 3 (after top_k=2 as well)
     probs = {seq: 1.0 for seq in itertools.product(range(5), repeat=2)}
     p = target_probs(torch.tensor([2.0, 1.5, -1.0, -1.0, -1.0], dtype=torch.float64), **kw)
@@ -277,12 +290,8 @@ def test_every_draft_accepted_and_every_draft_rejected(monkeypatch):
     assert ar == [3] * 40
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("1,1,1", 3))
     assert ss == ar and stats.accepted[:5] == [4] * 5  # root + 3 drafts every pass
-    draft_logits = model.draft_logits
-
-    def wrong_drafts(h):  # streams now always propose token 4, which the model never emits
-        return torch.zeros_like(draft_logits(h)).index_fill_(-1, torch.tensor([4]), 50.0)
-
-    monkeypatch.setattr(model, "draft_logits", wrong_drafts)
+    # streams now always propose token 4, which the model never emits
+    _rig_drafts(monkeypatch, model, lambda q: torch.zeros_like(q).index_fill_(-1, torch.tensor([4]), 50.0))
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3))
     assert ss == ar and set(stats.accepted) == {1}
 
@@ -358,7 +367,7 @@ def test_pruning_keeps_the_cache_consistent():
     parents = [-1, 0, 0, 1, 1, 2, 3]
     shape = tree.shape_of(parents, [0, 0, 1, 0, 1, 0, 0])
     tokens = torch.tensor([5, 6, 7, 8, 9, 10, 0])
-    tokens_k, shape_k, main, _ = pruned_pass(model, tokens, shape, tree, cache, 0.09)
+    tokens_k, shape_k, main, _, _ = pruned_pass(model, tokens, shape, tree, cache, 0.09)
     assert 1 < shape_k.n_nodes < 7, shape_k.n_nodes  # this seed prunes some nodes, not all
     leaf = shape_k.n_nodes - 1
     path = [leaf]
@@ -377,24 +386,32 @@ def test_pruning_keeps_the_cache_consistent():
 
 @pytest.mark.parametrize("drafter", ["streams", "medusa"])
 def test_products_are_those_of_a_tree_pass(drafter):
-    """measure.products runs every Linear on the rows a pass carries: n main rows below the
-    multi-stream layers, n (1 + gamma) in them, n in the LM head plus one node's draft logits."""
+    """measure.products runs the Linear layers of a decoding step on the rows it carries, in its
+    order: those of a speculative step over an n-node tree (n main rows below the multi-stream
+    layers, n (1 + g) in them, the LM head, one node's draft logits) and of an autoregressive step."""
+    from ss_mini.generate import Sampler, _prefill, ar_step, speculative_step
+    from ss_mini.kvcache import KVCache
     from ss_mini.measure import products
     kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
-    model = random_model(**kw)
+    model = random_model(**kw).float()
     seen = []
     hooks = [m.register_forward_hook(lambda m, x, y, name=name: seen.append((name, x[0].numel() // x[0].shape[-1])))
              for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    products(model, 4)()
-    wide = 16 if drafter == "streams" else 4
-    expect = [(f"transformer.h.{i}.{part}", r) for i, r in enumerate([4, wide, wide])
-              for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + [("lm_head", 4)]
-    expect += [("lm_head", 3)] if drafter == "streams" else [(f"medusa_heads.{k}.{m}", 1) for k in range(2)
-                                                             for m in ("res", "lm_head")]
-    assert seen == expect
-    seen.clear()
-    products(model, 1, n_drafts=0)()
-    assert seen == [(name, 1) for name, _ in expect[:13]]
+    sampler, cache = Sampler(0.0, None, None, None, "cpu"), KVCache(model.config, 128)
+    with torch.no_grad():
+        for n in (1, 4, 16):
+            tree = BudgetTree(n, model.config.n_drafts).bind(model.config, "cpu", torch.float32)
+            root, (_, draft_logits) = torch.tensor([1]), _prefill(model, [1, 2, 3], cache, tree.n_drafts)
+            seen.clear()
+            speculative_step(model, cache, root, draft_logits, tree, sampler, 20)
+            step, seen[:] = list(seen), []
+            products(model, n, tree.n_drafts)()
+            assert seen == step, n
+        seen.clear()
+        ar_step(model, cache, root, sampler, torch.arange(32))
+        step, seen[:] = list(seen), []
+        products(model, 1, n_drafts=0)()
+        assert seen == step and {rows for _, rows in step} == {1}
     for h in hooks:
         h.remove()
 

@@ -238,7 +238,7 @@ def _prefill(model, tokens):
     cache = KVCache(model.config, 128, dtype=torch.float64)
     n = len(tokens)
     mask = attention_mask(np.arange(n) - 1, model.config.n_streams, dtype=torch.float64)
-    main, hidden = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask, cache=cache)
+    main, hidden, _ = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask, cache=cache)
     cache.accept(n)
     return cache, main, model.draft_logits(hidden)
 
@@ -261,10 +261,12 @@ def test_incremental_decoding_equals_full_forward():
     cache, main, streams = _prefill(model, tokens[:5])
     torch.testing.assert_close(main, full_main[:, :5], rtol=0, atol=1e-10)
     for t in range(5, 20):
-        m, h = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
+        m, h, one_node_draft_logits = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
         cache.accept(1)
         torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
         torch.testing.assert_close(model.draft_logits(h[0, 0]), full_streams[0, t], rtol=0, atol=1e-10)
+        # one node: its draft logits come from the main row's LM head call, the same values
+        torch.testing.assert_close(one_node_draft_logits[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
 
 
 def test_a_pass_runs_the_first_streams_only():
@@ -274,9 +276,9 @@ def test_a_pass_runs_the_first_streams_only():
     cache, _, _ = _prefill(model, [1, 2, 3, 4, 5])
     parents, L, tokens = [-1, 0, 0, 1], cache.length, torch.tensor([[6, 7, 8, 9]])
     pos = torch.tensor([0, 1, 1, 2]) + L
-    main, hidden = model.forward_nodes(tokens, pos, attention_mask(parents, 3, L, dtype=torch.float64), cache=cache)
+    main, hidden, _ = model.forward_nodes(tokens, pos, attention_mask(parents, 3, L, dtype=torch.float64), cache=cache)
     for g in (1, 2):
-        m, h = model.forward_nodes(tokens, pos, attention_mask(parents, g, L, dtype=torch.float64), cache=cache,
+        m, h, _ = model.forward_nodes(tokens, pos, attention_mask(parents, g, L, dtype=torch.float64), cache=cache,
                                    n_drafts=g)
         assert h.shape[-2] == g
         torch.testing.assert_close(m, main, rtol=0, atol=1e-10)
@@ -297,7 +299,7 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
         tokens = torch.randint(0, 11, (n,), generator=gen).tolist()
         L = cache.length
         mask = attention_mask(parents, model.config.n_streams, L, dtype=torch.float64)
-        main, hidden = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L, mask, cache=cache)
+        main, hidden, _ = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L, mask, cache=cache)
         streams = model.draft_logits(hidden)
         for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
             path, v = [], u
