@@ -276,11 +276,11 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     drafted_tokens, drafted_shape = tokens, shape  # the tree before pruning, for on_pass
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
-        tokens, shape, main_logits, draft_hidden, root_draft_logits = pruned_pass(model, tokens, shape, tree, cache,
-                                                                                  prune_threshold)
-    else:  # root_draft_logits: a one-node pass's draft logits, from the main row's LM head call
-        main_logits, draft_hidden, root_draft_logits = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L),
-                                                                           cache=cache, n_drafts=tree.n_drafts)
+        tokens, shape, main_logits, draft_hidden, all_draft_logits = pruned_pass(model, tokens, shape, tree, cache,
+                                                                                 prune_threshold)
+    else:  # all_draft_logits: every node's, when the pass is small enough to get them in its LM head call
+        main_logits, draft_hidden, all_draft_logits = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L),
+                                                                          cache=cache, n_drafts=tree.n_drafts)
     # 3. verify: the token the target emits at every node; walk while a child carries it
     ys_t = sampler.verify(main_logits[0], draft_probs, ranked, shape)
     ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
@@ -292,7 +292,7 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
                      drafted_shape=drafted_shape, tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
                      n_drafts=tree.n_drafts))
     u = path[-1]
-    next_draft_logits = model.draft_logits(draft_hidden[0, u]) if root_draft_logits is None else root_draft_logits[0, 0]
+    next_draft_logits = model.draft_logits(draft_hidden[0, u]) if all_draft_logits is None else all_draft_logits[0, u]
     return [toks[i] for i in path], y, ys_t[u:u + 1], next_draft_logits, shape.n_nodes
 
 

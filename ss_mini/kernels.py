@@ -14,6 +14,13 @@ there as a packed weight or faster, so the baseline keeps it. Training (gradient
 weights, other devices, a torch without MKL and torch.compile keep `F.linear` too. The
 measurements are in docs/step-cost.md (`python bench.py --pass_cost --shape=12,12,768,50257`).
 
+On every device: one LM head call for a pass of few rows (`HEAD_ROWS`, GPT.forward_top).
+The 50,257-row head is the biggest weight of a GPT-2 and a decoding step is memory-bound:
+a few-row product with it costs about one read of it, so a pass of few main and stream rows
+gets the logits of all of them from one read, where a separate call for the accepted
+node's draft logits would read the head twice. Above HEAD_ROWS rows, the product computes
+more than a second read costs; the measurements are in docs/step-cost.md.
+
 On CUDA: attention without cuDNN's backend while decoding (`decoding_kernels`). PyTorch
 prefers cuDNN's fused attention for bf16 on recent GPUs, and it builds an execution plan for
 every new shape; a decoding pass has a new key length at every step.
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 
 BIG = 1 << 18  # weight entries from which packing pays (smaller weights stay in cache anyway)
 FEW = 64  # rows up to which a product counts as few-row
+HEAD_ROWS = 32  # main and stream rows up to which a pass runs them through the LM head in one call
 MKL = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
@@ -43,12 +51,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _packed(self):
-        """The weight in MKL's GEMM layout (for about 16 rows: one pack serves 2 to 64), packed
-        again whenever the weight changes (an optimizer step, a loaded checkpoint)."""
+        """The weight in MKL's GEMM layout, packed for FEW rows (a pack for fewer rows is as fast up
+        to its size and slower above it), and again whenever the weight changes (an optimizer
+        step, a loaded checkpoint)."""
         w = self.weight
         key = (w.data_ptr(), w._version)
         if getattr(self, "_pack_key", None) != key:
-            self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 16)
+            self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), FEW)
         return self._pack
 
 

@@ -25,6 +25,7 @@ import time
 import torch
 
 from .generate import Sampler, _prefill, ar_step, generate_ar, generate_speculative, speculative_step
+from .kernels import HEAD_ROWS
 from .kvcache import KVCache
 from .tree import BudgetTree
 
@@ -116,7 +117,7 @@ def products(model, n_nodes, n_drafts=None):
     """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
     the rows that the pass carries (n_nodes main rows below the multi-stream layers,
     n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
-    rows and the draft logits of one node (one head call for both when n_nodes = 1, as
+    rows and the draft logits of one node (one head call for all rows of a small pass, as
     GPT.forward_top makes it). n_drafts=0: an autoregressive pass (one row everywhere, no
     draft logits). Returns a function that runs them."""
     cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(n_drafts)
@@ -131,8 +132,8 @@ def products(model, n_nodes, n_drafts=None):
     def run():
         for block, r in zip(model.transformer.h, rows):
             block.attn.c_attn(x[r]), block.attn.c_proj(x[r]), block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
-        if n == 1 and g:
-            model.lm_head(x[1 + g])
+        if g and n * (1 + g) <= HEAD_ROWS:
+            model.lm_head(x[n * (1 + g)])
             return
         model.lm_head(x[n])
         if n_drafts != 0:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .adapters import stream_adapter
 from .distill import stream_teacher
-from .kernels import Linear
+from .kernels import HEAD_ROWS, Linear
 from .masks import attention_mask
 from .medusa import MedusaHead, init_medusa_heads, medusa_logits
 from .pruning import PruningAdapter
@@ -228,12 +228,11 @@ class GPT(nn.Module):
         stream_idx: the nodes that carry streams (None = all). n_drafts: see `streams_in_pass`.
         Returns the main logits (B, n, V) (only the last node's with last_only), the drafter's
         hidden states: (B, m, g, d) for the streams of m nodes, (B, m, d) for Medusa, or None,
-        and draft logits (B, 1, g, V) when streams ran on one node only, else None.
-        The LM head runs on the main rows, and `draft_logits` turns the hidden states of the
-        accepted node into draft logits after verify: a pass pays for the draft logits of one
-        node only. When one node carries streams (a one-node pass, the prefill), that node is
-        the one accepted, and its stream rows join its main row in one LM head call: a step
-        then reads the head once, as an autoregressive step does.
+        and the streams' draft logits (B, m, g, V) or None. A decoding step needs the draft
+        logits of one node, the one verify accepts. A pass of few rows computes them for every
+        node in its main rows' LM head call, reading the head once as an autoregressive step
+        does; a bigger pass returns None there, and `draft_logits` turns the accepted node's
+        hidden states into logits after verify (kernels.HEAD_ROWS says where the two meet).
         """
         x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
         return self.forward_top(x, mask, stream_idx, cache, n_drafts, last_only)
@@ -267,11 +266,11 @@ class GPT(nn.Module):
             draft_hidden = x[:, n:].unflatten(1, (-1, g))
         elif cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
             draft_hidden = x[:, :n] if stream_idx is None else x[:, stream_idx]
-        main_hidden = x[:, n - 1:n] if last_only else x[:, :n]
-        if g and x.shape[1] == n + g and main_hidden.shape[1] == 1:  # one node's rows, adjacent: one head call
-            logits = self.lm_head(x[:, n - 1:])
-            return logits[:, :1], draft_hidden, logits[:, 1:].unsqueeze(1)
-        return self.lm_head(main_hidden), draft_hidden, None
+        k = 1 if last_only else n  # the main rows whose logits are asked for; the stream rows follow them
+        if g and x.shape[1] - n + k <= HEAD_ROWS:  # few rows: one LM head call for all (kernels.py)
+            logits = self.lm_head(x[:, n - k:])
+            return logits[:, :k], draft_hidden, logits[:, k:].unflatten(1, (-1, g))
+        return self.lm_head(x[:, n - k:n]), draft_hidden, None
 
     def draft_logits(self, draft_hidden):
         """Draft logits from the drafter's hidden states: the shared LM head for stream rows
@@ -314,8 +313,9 @@ class GPT(nn.Module):
         where = None if k == 1 else range(offset, T, k)  # the positions that carry streams
         mask = self.chain_mask(T, idx.device, where)
         h = self.forward_bottom(idx, torch.arange(T, device=idx.device), mask)
-        main_logits, draft_hidden, _ = self.forward_top(h, mask, where and list(where))
-        draft_logits = self.draft_logits(draft_hidden) if draft_hidden is not None else None
+        main_logits, draft_hidden, draft_logits = self.forward_top(h, mask, where and list(where))
+        if draft_logits is None and draft_hidden is not None:
+            draft_logits = self.draft_logits(draft_hidden)
         if targets is None:
             return main_logits, draft_logits, None
         V = main_logits.shape[-1]

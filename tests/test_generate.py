@@ -220,9 +220,9 @@ def _rig_drafts(monkeypatch, model, rig):
     draft_logits, top = model.draft_logits, model.forward_top
 
     def forward_top(*args, **kwargs):
-        main_logits, draft_hidden, one_node_draft_logits = top(*args, **kwargs)
-        return main_logits, draft_hidden, one_node_draft_logits if one_node_draft_logits is None else rig(
-            one_node_draft_logits)
+        main_logits, draft_hidden, pass_draft_logits = top(*args, **kwargs)
+        return main_logits, draft_hidden, pass_draft_logits if pass_draft_logits is None else rig(
+            pass_draft_logits)
 
     monkeypatch.setattr(model, "draft_logits", lambda h: rig(draft_logits(h)))
     monkeypatch.setattr(model, "forward_top", forward_top)

@@ -9,7 +9,7 @@ from conftest import random_model
 
 from ss_mini.kvcache import KVCache
 from ss_mini.masks import attention_mask, stream_mask, tree_mask
-from ss_mini.kernels import Linear
+from ss_mini.kernels import HEAD_ROWS, Linear
 from ss_mini.model import GPT, GPTConfig
 
 
@@ -261,12 +261,12 @@ def test_incremental_decoding_equals_full_forward():
     cache, main, streams = _prefill(model, tokens[:5])
     torch.testing.assert_close(main, full_main[:, :5], rtol=0, atol=1e-10)
     for t in range(5, 20):
-        m, h, one_node_draft_logits = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
+        m, h, pass_draft_logits = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
         cache.accept(1)
         torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
         torch.testing.assert_close(model.draft_logits(h[0, 0]), full_streams[0, t], rtol=0, atol=1e-10)
-        # one node: its draft logits come from the main row's LM head call, the same values
-        torch.testing.assert_close(one_node_draft_logits[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
+        # a one-node pass: its draft logits come from the main row's LM head call, the same values
+        torch.testing.assert_close(pass_draft_logits[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
 
 
 def test_a_pass_runs_the_first_streams_only():
@@ -299,8 +299,11 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
         tokens = torch.randint(0, 11, (n,), generator=gen).tolist()
         L = cache.length
         mask = attention_mask(parents, model.config.n_streams, L, dtype=torch.float64)
-        main, hidden, _ = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L, mask, cache=cache)
+        main, hidden, pass_draft_logits = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L, mask,
+                                                              cache=cache)
         streams = model.draft_logits(hidden)
+        assert n * (1 + model.config.n_streams) <= HEAD_ROWS  # small: all draft logits in one head call
+        torch.testing.assert_close(pass_draft_logits, streams, rtol=0, atol=1e-10)
         for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
             path, v = [], u
             while v >= 0:
