@@ -60,7 +60,7 @@ def greedy_continuation(model, idx, where=None):
         for j in range(1, g + 1):
             end = T + j * m
             logits, _, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end, :end], cache=cache,
-                                            n_drafts=0)
+                                               n_drafts=0)
             cache.accept(m)
             probs.append(torch.softmax(logits.float(), dim=-1))
             y = logits.argmax(-1)

@@ -18,8 +18,8 @@ On every device: one LM head call for a pass of few rows (`HEAD_ROWS`, GPT.forwa
 The 50,257-row head is the biggest weight of a GPT-2 and a decoding step is memory-bound:
 a few-row product with it costs about one read of it, so a pass of few main and stream rows
 gets the logits of all of them from one read, where a separate call for the accepted
-node's draft logits would read the head twice. Above HEAD_ROWS rows, the product computes
-more than a second read costs; the measurements are in docs/step-cost.md.
+node's draft logits would read the head twice. Above HEAD_ROWS rows, computing logits for
+every stream row costs more than that second read; the measurements are in docs/step-cost.md.
 
 On CUDA: attention without cuDNN's backend while decoding (`decoding_kernels`). PyTorch
 prefers cuDNN's fused attention for bf16 on recent GPUs, and it builds an execution plan for

@@ -31,8 +31,9 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
     tokens: (n,) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
     it. At layer N - Ns the early transition probability of every edge decides which nodes
     survive; a dropped node takes its subtree with it. Returns the surviving nodes' tokens
-    and shape, root first, then what GPT.forward_top returns for them. The bottom layers' cached K/V
-    of the kept nodes move to slots L..L+kept-1; those of dropped nodes are simply not kept.
+    and shape, root first, then what GPT.forward_top returns for them. The bottom layers'
+    cached K/V of the kept nodes move to slots L..L+kept-1; those of dropped nodes are
+    simply not kept.
     """
     L, n = cache.length, shape.n_nodes
     h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache, tree.n_drafts)
