@@ -177,9 +177,10 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     `steps` steps of each, interleaved. Every step starts from the same cache length, root
     and drafts.
 
-    Also the floor that no leaner step can go below on this machine: 1 + (the matrix
-    products of the speculative pass - those of the autoregressive pass) / one
-    autoregressive step, timed in the same loop (`products`). The extra rows of a tree pass
+    Also the floor that no leaner step goes below on this machine, up to the timing's noise
+    (a few hundredths): 1 + (the matrix products of the speculative pass - those of the
+    autoregressive pass) / one autoregressive step, timed in the same loop (`products`),
+    on zero inputs and apart from the step. The extra rows of a tree pass
     cost this much even if everything else in the step cost exactly what it costs in an
     autoregressive step. Returns ({n: ratio}, {n: floor}, the median AR step in ms)."""
     cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype

@@ -1,7 +1,7 @@
 """A GPT-2 with speculative streams (Bhendawade et al., 2024, arXiv 2402.11131).
 
-The main stream is an ordinary causal GPT-2 (paper Eq. 1). At the input of layer N - Ns
-every main token M_t gets gamma extra tokens, its *speculative streams*
+The main stream is an ordinary causal GPT-2 (paper Eq. 1). After layer N - Ns (layers
+counted from 1) every main token M_t gets gamma extra tokens, its *speculative streams*
 S_{t,j} = M_t + P_j (Eq. 3), where P is the learned stream identifier embedding. In the
 top Ns layers, *multi-stream attention* (Eq. 2) lets stream j at t attend to the main
 stream at positions <= t and to streams 1..j at t; the main stream never attends to a
@@ -229,13 +229,14 @@ class GPT(nn.Module):
         Returns the main logits (B, n, V) (only the last node's with last_only), the drafter's
         hidden states: (B, m, g, d) for the streams of m nodes, (B, m, d) for Medusa, or None,
         and the streams' draft logits (B, m, g, V) or None. A decoding step needs the draft
-        logits of one node, the one verify accepts. A pass of few rows computes them for every
-        node in its main rows' LM head call, reading the head once as an autoregressive step
-        does; a bigger pass returns None there, and `draft_logits` turns the accepted node's
-        hidden states into logits after verify (kernels.HEAD_ROWS says where the two meet).
+        logits of one node, the one verify accepts. When the main rows asked for plus the
+        stream rows are at most kernels.HEAD_ROWS, one LM head call gives the logits of all of
+        them, reading the head once as an autoregressive step does. Otherwise (and with no
+        streams, or Medusa) the third output is None, and `draft_logits` turns the accepted
+        node's hidden states into logits after verify.
         """
         x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
-        return self.forward_top(x, mask, stream_idx, cache, n_drafts, last_only)
+        return self.forward_top(x, mask, stream_idx=stream_idx, cache=cache, n_drafts=n_drafts, last_only=last_only)
 
     def forward_bottom(self, idx, pos, mask=None, cache=None, n_drafts=None):
         """Embeddings and the layers below stream insertion: main rows only."""
