@@ -39,6 +39,9 @@ from .pruning import PruningAdapter
 
 @dataclass
 class GPTConfig:
+    """The model's shape and its streams. These defaults are a small model for code that builds
+    one directly; the README's default model is train.py's config (gamma = 4 as in the paper's
+    Table 1, Ns = 1, alpha = 0.3: docs/defaults.md)."""
     block_size: int = 256
     vocab_size: int = 256
     n_layer: int = 4
