@@ -284,11 +284,12 @@ def profile(model, prompts, tree, kw, log):
     parts = {"forward passes, prefill included": ("forward_nodes", "pruned_pass"),
              "tree draft (candidates, shape, tokens)": ("draft", "shape", "tokens"),
              "masks (new tree shapes only)": ("attention_mask",), "verify (target tokens)": ("verify", "pick"),
-             "verify walk": ("walk",), "accept (cache compaction)": ("accept",), "next drafts": ("draft_logits",)}
+             "verify walk": ("walk",), "accept (cache compaction)": ("accept",),
+             "next drafts after verify (> HEAD_ROWS rows)": ("draft_logits",)}
     log(f"profile of {len(prompts)} speculative generations, {total:.2f} s in generate_speculative:")
     for label, names in parts.items():
         t = sum(v[3] for (f, _, fn), v in st.stats.items() if fn in names and "ss_mini" in f)
-        log(f"  {label:<40} {t:7.3f} s  {100 * t / total:5.1f}%")
+        log(f"  {label:<52} {t:7.3f} s  {100 * t / total:5.1f}%")
 
 
 def step_costs(cfg, device, dtype, log):
