@@ -12,8 +12,9 @@ which M_t predicts x_{t+1}. Training minimises Eq. 5 (`GPT.forward`).
 One forward serves training and decoding. Its input is a set of main *nodes* (a chain
 for training, a tree draft for decoding) with an attention mask built from parent
 pointers (masks.py), plus the nodes that carry streams. With a `KVCache` (kvcache.py) the
-main keys/values of the nodes are appended after the cached prefix; streams are never
-cached, they read the main stream's cache. The forward is split at stream insertion
+main keys/values of the nodes are appended after the cached prefix; the stream rows'
+follow them for the pass's own attention and are never kept (`KVCache.accept`): a stream
+reads the main stream's cache. The forward is split at stream insertion
 (`forward_bottom`, `forward_top`) so that parallel tree pruning (pruning.py) can drop
 nodes half-way through a pass.
 
