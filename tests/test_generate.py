@@ -216,7 +216,7 @@ def test_ar_sampling_is_exact(kw):
 
 def _rig_drafts(monkeypatch, model, rig):
     """The streams' logits replaced by rig(logits) wherever a pass computes them: after verify
-    (GPT.draft_logits) or in the LM head call of a one-node pass or prefill (GPT.forward_top)."""
+    (GPT.draft_logits) or in a small pass's one LM head call (GPT.forward_top)."""
     draft_logits, top = model.draft_logits, model.forward_top
 
     def forward_top(*args, **kwargs):
@@ -388,7 +388,8 @@ def test_pruning_keeps_the_cache_consistent():
 def test_products_are_those_of_a_tree_pass(drafter):
     """measure.products runs the Linear layers of a decoding step on the rows it carries, in its
     order: those of a speculative step over an n-node tree (n main rows below the multi-stream
-    layers, n (1 + g) in them, the LM head, one node's draft logits) and of an autoregressive step."""
+    layers, n (1 + g) in them, then the LM head: once over all rows of a small pass, else on the
+    main rows and one node's stream rows) and of an autoregressive step."""
     from ss_mini.generate import Sampler, _prefill, ar_step, speculative_step
     from ss_mini.kvcache import KVCache
     from ss_mini.measure import products
