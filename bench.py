@@ -37,11 +37,13 @@ from ss_mini.checkpoint import load_model, training_data
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, prompt_speedups, repeat_rate,
-                             run_interleaved, run_pair, step_bytes, summarize)
+from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
+                             step_bytes, summarize, unreliable)
 from ss_mini.model import GPT, GPTConfig
-from ss_mini.report import shell_quote, suite_markdown
+from ss_mini.report import suite_markdown
+from ss_mini.suite import suite
 from ss_mini.tree import make_tree
+from ss_mini.tree_search import choose_tree, decode_kwargs, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",
@@ -80,93 +82,8 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
              calibration_tokens=at_least(1), tie_margin=in_range(0.0, 1.0, hi_open=True), repeats=at_least(1),
              prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"),
              suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")), "two folders, CODE_DIR,PROSE_DIR"))
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def validation_prompts(ckpt, tok, n, length):
-    """n snippets of the checkpoint's held-out validation split, each starting at a line start."""
-    folder, _ = training_data(ckpt)
-    val = load_split(folder, "val")
-    newline = tok.encode("\n")[0] if tok.kind == "char" else None
-    prompts = []
-    for start in np.linspace(0, len(val) - length - 1, n + 1, dtype=np.int64)[:n]:
-        if newline is not None:  # begin after a newline, so a prompt is whole lines of code or verse
-            nl = np.flatnonzero(val[start:start + length] == newline)
-            start += int(nl[0]) + 1 if len(nl) else 0
-        prompts.append([int(t) for t in val[start:start + length]])
-    return prompts
-
-
-def file_prompts(path, tok):
-    out = []
-    for i, line in enumerate(open(path, encoding="utf-8"), 1):
-        if line.strip():
-            try:
-                out.append(tok.encode(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise UsageError(f'{path}:{i} is not a JSON object with a "prompt" string') from None
-    if not out:
-        raise UsageError(f"{path} holds no prompts")
-    return out
-
-
-def tree_search(model, calibration, cfg, kw, log):
-    """SS tokens/s of every candidate tree that fits the model against one AR baseline, on the
-    calibration prompts with calibration_tokens new tokens each (at most max_new_tokens);
-    logs the table and returns the spec of the tree to measure: among the trees within
-    tie_margin of the fastest, the one with the fewest nodes, then the highest tau (a
-    near-tie is the machine's noise, and the smaller tree is the one that two runs agree
-    on). Every decoder is warmed up on the first prompt; then all take turns on each prompt
-    before the next prompt starts, so a burst of load on this machine spreads over many
-    candidates instead of deciding one row. Returns (that spec, the rows (spec, nodes, summary))."""
-    g = model.config.n_drafts
-    candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
-    kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
-    trees = [make_tree(spec, g) for spec in candidates]
-    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)] +
-                           [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
-    run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
-    ar, *ss = run_interleaved(calibration, decoders(kw))
-    rows = [(spec, len(t), summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
-    fastest = max(rows, key=lambda row: row[2]["speedup"])
-    near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
-    best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
-    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
-        f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
-    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
-    for row in rows:
-        spec, n, r = row
-        mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
-        if row is best and row is not fastest:
-            mark += f" (the fewest nodes within {cfg['tie_margin']:.0%} of the fastest)"
-        log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
-            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}" + mark)
-    ar_ms = [s.seconds / s.passes for _, s in ar]
-    if max(ar_ms) > 2 * min(ar_ms):
-        unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
-                   "calibration prompts of the tree search")
-    return best[0], rows
-
-
-def choose_tree(model, calibration, cfg, kw, log):
-    """The tree to measure: --tree, or the tree search's pick (--tree=auto); then this very
-    tree object, whose shapes are built on first use, warms up on the calibration prompts."""
-    spec = cfg["tree"]
-    if spec == "auto" or cfg["sweep"]:
-        best, rows = tree_search(model, calibration, cfg, kw, log)
-        if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
-                             cfg["tie_margin"])
-            log(f"tree search plotted in {cfg['plot']}")
-        spec = best if spec == "auto" else spec
-    tree = make_tree(spec, model.config.n_drafts)
-    run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
-    return tree
-
-
-def unreliable(what):
-    print(f"warning: {what}: another process is probably competing for the cores, so these measurements are "
-          "unreliable; rerun on an idle machine", file=sys.stderr, flush=True)
+NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost", "compile",
+                  "prune_threshold", "train_steps")  # --suite sets these per row
 
 
 def train_bench(ckpt, device, steps, log):
@@ -251,27 +168,6 @@ def compare(dirs, cfg, device, dtype, log):
     return rows
 
 
-def decode_kwargs(cfg, tok):
-    return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
-                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
-
-
-def pick_prompts(cfg, ckpt, tok):
-    """(prompts, calibration prompts), disjoint, so that the reported prompts are not the ones
-    the tree search tuned on: held-out validation snippets where every 4th calibrates, or from
-    --prompts the first few calibrate and the rest are reported (a file with no more prompts
-    than that calibrates on the prompts it reports; bench then says so)."""
-    n_cal = max(2, cfg["num_prompts"] // 3)
-    if cfg["prompts"]:
-        prompts = file_prompts(cfg["prompts"], tok)
-        if len(prompts) <= n_cal:
-            return prompts[:cfg["num_prompts"]], prompts
-        return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
-    both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
-    prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
-    return prompts, both[3::4][:n_cal]
-
-
 def profile(model, prompts, tree, kw, log):
     """Where the speculative loop spends its time (cProfile; its overhead inflates Python parts)."""
     prof = cProfile.Profile()
@@ -342,103 +238,6 @@ def step_costs(cfg, device, dtype, log):
             "steps:\n  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
         result["compiled"] = {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms}
     return result
-
-
-SUITE = (  # the README's results table: (checkpoint: 0 = code, 1 = prose; prompts, "" = held-out; temperature)
-    (0, "", 0.0), (0, "", 0.8), (0, "prompts/code_unseen.jsonl", 0.0),
-    (1, "", 0.0), (1, "", 0.8), (1, "prompts/prose_unseen.jsonl", 0.0))
-TRAIN = ("python train.py", "python train.py --dataset=shakespeare")  # what makes each checkpoint of --suite
-NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost", "compile",
-                  "prune_threshold", "train_steps")
-ROW_FLAGS = ("num_prompts", "prompt_tokens", "max_new_tokens", "top_k", "top_p", "seed", "tree", "candidates",
-             "calibration_tokens", "tie_margin", "repeats", "device", "dtype", "threads")  # into each row's command
-
-
-def flags(cfg, keys, defaults):
-    """--key=value for every key whose value differs from its default."""
-    return [f"--{k}={cfg[k]:g}" if isinstance(cfg[k], float) else f"--{k}={shell_quote(str(cfg[k]))}"
-            for k in keys if cfg[k] != defaults[k]]
-
-
-def sample_command(cfg, text, tree):
-    """The sample.py command that decodes `text` as bench did: with --speculative and `tree`,
-    or autoregressively (tree None)."""
-    import sample
-    keys = ["max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "dtype", "threads"]
-    if cfg["temperature"] == 0:  # greedy decoding ignores top-k and top-p
-        keys = [k for k in keys if k not in ("top_k", "top_p")]
-    return " ".join(["python sample.py", *flags(cfg, ("out_dir",), sample.config), f"--start={shell_quote(text)}",
-                     *flags(cfg, keys, sample.config)] + ([f"--speculative --tree={tree}"] if tree else []))
-
-
-def suite(cfg, device, dtype, progress):
-    """--suite: every row of SUITE in one process. Every prompt is read and every tree chosen
-    first; then the rows take turns, run by run, so that the drift of the machine spreads
-    over all of them. Returns the JSON document that suite_markdown renders."""
-    t0 = time.perf_counter()
-    dirs = cfg["suite_dirs"].split(",")
-    for d, make in zip(dirs, TRAIN):
-        if not os.path.isfile(os.path.join(d, "ckpt.pt")):
-            make += "" if (d, make) == ("out", TRAIN[0]) else f" --out_dir={d}"
-            raise UsageError(f"--suite needs {os.path.join(d, 'ckpt.pt')}: make it with `{make}`, or point "
-                             "--suite_dirs=CODE_DIR,PROSE_DIR at other checkpoints")
-    loaded = [load_model(d, device, getattr(torch, dtype)) for d in dirs]
-    for d, (model, _, _) in zip(dirs, loaded):
-        if model.config.n_drafts == 0:
-            raise UsageError(f"{d} has no drafter (n_streams=0): --suite measures models with streams")
-        if cfg["tree"] != "auto":
-            make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
-    rows, work = [], []
-    for m, file, temperature in SUITE:
-        model, tok, ckpt = loaded[m]
-        rcfg = dict(cfg, out_dir=dirs[m], prompts=os.path.join(ROOT, file) if file else "", temperature=temperature)
-        prompts, calibration = pick_prompts(rcfg, ckpt, tok)
-        command = " ".join(["python bench.py", *flags(rcfg, ("out_dir", "temperature"), config)]
-                           + [f"--prompts={file}"] * bool(file) + flags(cfg, ROW_FLAGS, config))
-        rows.append(dict(checkpoint=dirs[m], dataset=ckpt["config"]["dataset"], prompts=file or "held-out",
-                         n_prompts=len(prompts), temperature=temperature, command=command,
-                         decoding="greedy" if temperature == 0 else f"T = {temperature:g}"))
-        work.append(dict(model=model, tok=tok, cfg=rcfg, prompts=prompts, calibration=calibration,
-                         kw=decode_kwargs(rcfg, tok)))
-    for i, (row, w) in enumerate(zip(rows, work)):
-        progress(f"suite: row {i + 1}/{len(rows)} ({row['checkpoint']}, {row['prompts']}, {row['decoding']}): "
-                 "tree search")
-        w["tree"] = choose_tree(w["model"], w["calibration"], w["cfg"], w["kw"], lambda *a: None)
-    runs = [[] for _ in rows]
-    for k in range(cfg["repeats"]):
-        progress(f"suite: run {k + 1}/{cfg['repeats']} of every row")
-        for w, row_runs in zip(work, runs):
-            row_runs.append(run_pair(w["model"], w["prompts"], w["tree"], w["kw"]))
-    for row, w, row_runs in zip(rows, work, runs):
-        row.update(over_runs([summarize(*run) for run in row_runs]), tree=str(w["tree"]), tree_nodes=len(w["tree"]))
-        if row["efficiency"] > 1:
-            unreliable(f"{row['command']}: efficiency {row['efficiency']:.2f} > 1 (a speculative pass cannot cost "
-                       "less than a plain one)")
-    progress(f"suite: done in {time.perf_counter() - t0:.0f} s")
-    return dict(machine=machine(device, dtype), repeats=cfg["repeats"], max_new_tokens=cfg["max_new_tokens"],
-                checkpoints=[dict(checkpoint=d, dataset=ckpt["config"]["dataset"], corpus=ckpt.get("corpus"))
-                             for d, (_, _, ckpt) in zip(dirs, loaded)],
-                rows=rows, worked_example=worked_example(work[0], work[1], runs[0], runs[1]))
-
-
-def worked_example(greedy, sampled, greedy_runs, sampled_runs):
-    """Of the first row's prompts (held-out code), the one whose greedy tau is the median (the
-    lower middle for an even count, ties to the earlier prompt): representative, not picked by
-    hand. Its greedy and sampled continuations, the tau and speedup (median and range over the
-    runs) of each on it, and the sample.py commands that reproduce them."""
-    assert greedy["prompts"] == sampled["prompts"]
-    taus = [stats.mean_accepted for _, stats in greedy_runs[0][1]]
-    i = sorted(range(len(taus)), key=lambda j: (taus[j], j))[(len(taus) - 1) // 2]
-    text = greedy["tok"].decode(greedy["prompts"][i])
-    example = dict(prompt_index=i, n_prompts=len(taus), greedy_taus=taus, prompt=text)
-    for name, w, runs in (("greedy", greedy, greedy_runs), ("sampled", sampled, sampled_runs)):
-        tokens, stats = runs[0][1][i]
-        speedups = [prompt_speedups(*run)[i] for run in runs]
-        example[name] = dict(temperature=w["cfg"]["temperature"], tree=str(w["tree"]), tau=stats.mean_accepted,
-                             speedup=statistics.median_low(speedups), speedup_range=[min(speedups), max(speedups)],
-                             repeat_rate=repeat_rate([tokens]), continuation=w["tok"].decode(tokens),
-                             commands=[sample_command(w["cfg"], text, t) for t in (w["tree"], None)])
-    return example
 
 
 def mode_of(temperature):
@@ -570,7 +369,8 @@ def main(argv=None):
     elif cfg["compare"]:
         result = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
     elif cfg["suite"]:
-        result = suite(cfg, device, dtype, progress)
+        import sample  # its defaults: the worked example's commands leave them out
+        result = suite(cfg, config, sample.config, device, dtype, progress)
         log(suite_markdown(result))
     else:
         result, report = bench(cfg, device, dtype, progress)

@@ -20,6 +20,7 @@ hits all of it alike.
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -216,3 +217,9 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     costs = {n: med[n] / med["ar"] for n in sizes}
     floors = {n: 1 + (med[f"products {n}"] - med["products ar"]) / med["ar"] for n in sizes}
     return costs, floors, 1000 * med["ar"]
+
+
+def unreliable(what):
+    """Warn, on stderr, that a measurement cannot be right as measured."""
+    print(f"warning: {what}: another process is probably competing for the cores, so these measurements are "
+          "unreliable; rerun on an idle machine", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""bench.py: the tree search's choice, repeated runs, --suite and its worked example."""
+"""bench.py: the tree search's choice (ss_mini/tree_search.py), repeated runs, --suite and its
+worked example (ss_mini/suite.py)."""
 import json
 import os
 import subprocess

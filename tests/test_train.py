@@ -190,6 +190,7 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     a file with no more than that is used for both (and bench says so)."""
     import json
     import bench
+    from ss_mini.tree_search import pick_prompts
 
     class Tok:
         encode = staticmethod(lambda text: [ord(c) for c in text])
@@ -197,11 +198,11 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(7)))
     cfg = dict(bench.config, prompts=str(path), num_prompts=12)
-    prompts, calibration = bench.pick_prompts(cfg, None, Tok)
+    prompts, calibration = pick_prompts(cfg, None, Tok)
     assert calibration == [Tok.encode(f"prompt {i}") for i in range(4)]
     assert prompts == [Tok.encode(f"prompt {i}") for i in range(4, 7)]
     path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
-    prompts, calibration = bench.pick_prompts(cfg, None, Tok)
+    prompts, calibration = pick_prompts(cfg, None, Tok)
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
 
 

@@ -1,0 +1,124 @@
+"""Which tree bench measures: the prompts, with calibration prompts kept apart from the
+reported ones, and the tree search.
+
+How fast a tree decodes depends on the model, the text and the machine: a deeper tree
+accepts more tokens per pass, and each pass costs more. So bench times every candidate tree
+against the autoregressive baseline on calibration prompts, and measures the pick on other
+prompts. Why the search's choices hold, and its tie margin: docs/step-cost.md ("The tree
+search picks well").
+"""
+import json
+
+import numpy as np
+
+from . import plot
+from .checkpoint import training_data
+from .cli import UsageError
+from .data import load_split
+from .generate import generate_ar, generate_speculative
+from .measure import run_interleaved, run_pair, summarize, unreliable
+from .tree import make_tree
+
+
+def validation_prompts(ckpt, tok, n, length):
+    """n snippets of the checkpoint's held-out validation split, each starting at a line start."""
+    folder, _ = training_data(ckpt)
+    val = load_split(folder, "val")
+    newline = tok.encode("\n")[0] if tok.kind == "char" else None
+    prompts = []
+    for start in np.linspace(0, len(val) - length - 1, n + 1, dtype=np.int64)[:n]:
+        if newline is not None:  # begin after a newline, so a prompt is whole lines of code or verse
+            nl = np.flatnonzero(val[start:start + length] == newline)
+            start += int(nl[0]) + 1 if len(nl) else 0
+        prompts.append([int(t) for t in val[start:start + length]])
+    return prompts
+
+
+def file_prompts(path, tok):
+    """The prompts of a JSON-lines file of {"prompt": "..."}, encoded."""
+    out = []
+    for i, line in enumerate(open(path, encoding="utf-8"), 1):
+        if line.strip():
+            try:
+                out.append(tok.encode(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UsageError(f'{path}:{i} is not a JSON object with a "prompt" string') from None
+    if not out:
+        raise UsageError(f"{path} holds no prompts")
+    return out
+
+
+def pick_prompts(cfg, ckpt, tok):
+    """(prompts, calibration prompts), disjoint, so that the reported prompts are not the ones
+    the tree search tuned on: held-out validation snippets where every 4th calibrates, or from
+    --prompts the first few calibrate and the rest are reported (a file with no more prompts
+    than that calibrates on the prompts it reports; bench then says so)."""
+    n_cal = max(2, cfg["num_prompts"] // 3)
+    if cfg["prompts"]:
+        prompts = file_prompts(cfg["prompts"], tok)
+        if len(prompts) <= n_cal:
+            return prompts[:cfg["num_prompts"]], prompts
+        return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
+    both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
+    prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
+    return prompts, both[3::4][:n_cal]
+
+
+def decode_kwargs(cfg, tok):
+    """The decoders' keyword arguments from bench's config."""
+    return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
+                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
+
+
+def tree_search(model, calibration, cfg, kw, log):
+    """SS tokens/s of every candidate tree that fits the model against one AR baseline, on the
+    calibration prompts with calibration_tokens new tokens each (at most max_new_tokens);
+    logs the table and returns the spec of the tree to measure: among the trees within
+    tie_margin of the fastest, the one with the fewest nodes, then the highest tau (a
+    near-tie is the machine's noise, and the smaller tree is the one that two runs agree
+    on). Every decoder is warmed up on the first prompt; then all take turns on each prompt
+    before the next prompt starts, so a burst of load on this machine spreads over many
+    candidates instead of deciding one row. Returns (that spec, the rows (spec, nodes, summary))."""
+    g = model.config.n_drafts
+    candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
+    kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
+    trees = [make_tree(spec, g) for spec in candidates]
+    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)] +
+                           [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
+    run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
+    ar, *ss = run_interleaved(calibration, decoders(kw))
+    rows = [(spec, len(t), summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
+    fastest = max(rows, key=lambda row: row[2]["speedup"])
+    near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
+    best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
+    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
+        f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
+    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
+    for row in rows:
+        spec, n, r = row
+        mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
+        if row is best and row is not fastest:
+            mark += f" (the fewest nodes within {cfg['tie_margin']:.0%} of the fastest)"
+        log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
+            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}" + mark)
+    ar_ms = [s.seconds / s.passes for _, s in ar]
+    if max(ar_ms) > 2 * min(ar_ms):
+        unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
+                   "calibration prompts of the tree search")
+    return best[0], rows
+
+
+def choose_tree(model, calibration, cfg, kw, log):
+    """The tree to measure: --tree, or the tree search's pick (--tree=auto); then this very
+    tree object, whose shapes are built on first use, warms up on the calibration prompts."""
+    spec = cfg["tree"]
+    if spec == "auto" or cfg["sweep"]:
+        best, rows = tree_search(model, calibration, cfg, kw, log)
+        if cfg["plot"]:
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
+                             cfg["tie_margin"])
+            log(f"tree search plotted in {cfg['plot']}")
+        spec = best if spec == "auto" else spec
+    tree = make_tree(spec, model.config.n_drafts)
+    run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
+    return tree
