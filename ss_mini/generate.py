@@ -37,17 +37,18 @@ import torch
 
 from .kernels import decoding_kernels
 from .kvcache import KVCache
-from .masks import attention_mask
+from .masks import attention_window, stream_rows_mask
 from .pruning import pruned_pass
 
 
 @dataclass
 class Stats:
     new_tokens: int = 0
-    passes: int = 0  # forward passes, prefill and cache rebuilds included
-    accepted: list = field(default_factory=list)  # tokens per decode pass (root included)
+    passes: int = 0  # forward passes of the batch, prefill and cache rebuilds included
+    accepted: list = field(default_factory=list)  # tokens each row emitted per decode pass: accepted drafts + 1
     nodes: list = field(default_factory=list)  # tree nodes verified per decode pass (after pruning)
     seconds: float = 0.0
+    row_seconds: list = field(default_factory=list)  # when each prompt's output was complete
 
     @property
     def tokens_per_s(self):
@@ -117,36 +118,42 @@ class Sampler:
     def probs(self, logits):
         return target_probs(logits, self.temperature, self.top_k, self.top_p)
 
-    def pick(self, logits):  # (n, V) -> (n,)
+    def pick(self, logits):  # (..., V) -> (...)
         return logits.argmax(-1) if self.gen is None else _race(self.probs(logits), self.gen).argmax(-1)
 
     def draft(self, draft_logits, width):
-        """(ranked candidates (depths, width), draft probabilities (depths, V) or None when
-        greedy) from the draft logits (depths, V) of the last accepted position."""
+        """(ranked candidates (..., depths, width), draft probabilities (..., depths, V) or None
+        when greedy) from the draft logits (..., depths, V) of the last accepted position."""
         if self.gen is None:
             return torch.topk(draft_logits, width, dim=-1).indices, None
         draft_probs = self.probs(draft_logits)
         return torch.topk(_race(draft_probs, self.gen), width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape):
-        """The token the target emits at each node (n_nodes,): argmax, or speculative sampling
-        (recursive rejection over the node's children; see the class docstring, and
+        """The token the target emits at each node (..., n_nodes): argmax, or speculative
+        sampling (recursive rejection over the node's children; see the class docstring, and
         tests/test_generate.py `verify_reference` for the same rule one node at a time).
+        main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`.
 
-        Vectorised over the nodes: in round r every node that has an (r+1)-th child and has
-        accepted none tries it; the others sit the round out with q = 0 (`shape.tries`), which
-        leaves their p as it is. A candidate that was never drawn (q's support smaller than
-        the width: the race ranks tokens with q(x) = 0 last) comes after every token of the
-        support, so by its round q is all zero: it is never accepted and leaves p as it is too."""
+        Vectorised over the nodes of every row: in round r every node that has an (r+1)-th
+        child and has accepted none tries it; the others sit the round out with q = 0
+        (`shape.tries`), which leaves their p as it is. A candidate that was never drawn (q's
+        support smaller than the width: the race ranks tokens with q(x) = 0 last) comes after
+        every token of the support, so by its round q is all zero: it is never accepted and
+        leaves p as it is too."""
         if self.gen is None:
             return main_logits.argmax(-1)
-        p = p_target = self.probs(main_logits)  # (n_nodes, V)
-        q = draft_probs.index_select(0, shape.cand_row)  # each node's draft distribution: that of its children's depth
-        cand = ranked.index_select(0, shape.cand_row)  # (n_nodes, width): child r holds cand[:, r]
+        V = main_logits.shape[-1]
+        rows = shape.cand_row.expand(main_logits.shape[:-1])  # each node's children come from this depth
+        q = draft_probs.gather(-2, rows[..., None].expand(*rows.shape, V)).reshape(-1, V)
+        cand = ranked.gather(-2, rows[..., None].expand(*rows.shape, ranked.shape[-1]))  # child r holds cand[..., r]
+        tries = shape.tries.expand(cand.shape).reshape(-1, cand.shape[-1])
+        cand = cand.reshape(-1, cand.shape[-1])
+        p = p_target = self.probs(main_logits).reshape(-1, V)
         u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
-        ys = torch.full_like(cand[:, :1], -1)  # (n_nodes, 1); -1: no child accepted (yet)
+        ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)
         for r in range(shape.max_children):
-            x, q = cand[:, r:r + 1], q * shape.tries[:, r:r + 1]
+            x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
             accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # probability min(1, p(x)/q(x)); never if q = 0
             ys = torch.where(accept, x, ys)
@@ -156,154 +163,245 @@ class Sampler:
                 q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
         # none accepted: draw from the residual; where p ~ q made it underflow to all zeros, from p itself
         p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
-        return torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1, keepdim=True)).view(-1)
+        ys = torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1, keepdim=True))
+        return ys.view(main_logits.shape[:-1])
 
 
 def compiled(model):
     """The same model (shared weights) with its forward pass compiled by torch.compile, for
-    both decoders. Dynamic shapes: the cache length and the node count vary from pass to
-    pass, so after the first few passes one graph per kind of pass (prefill, one token,
-    tree) serves them all. The first generations pay the compilation (about a minute on
-    a CPU); `bench.py --compile=True` measures it against eager in the same run."""
+    both decoders. Dynamic shapes: the prefill's length and the batch size vary, so after the
+    first few passes one graph per kind of pass (prefill, one token, tree) serves them all.
+    The first generations pay the compilation (about a minute on a CPU); `bench.py
+    --compile=True` measures it against eager in the same run."""
     fast = copy.copy(model)  # a second view: the eager model stays usable beside it
     fast.forward_nodes = torch.compile(model.forward_nodes, dynamic=True)
     return fast
 
 
-def _prepare(model, prompt, max_new_tokens):
+def _prepare(model, prompts, max_new_tokens, cache_slots):
+    """The prompts as a list of token lists, and whether one prompt (a list of ints) was given.
+    Long prompts keep their last block_size tokens; bad input is a one-line ValueError."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least 1 token")
-    prompt = list(prompt)
-    if not prompt:
-        raise ValueError("empty prompt: give at least one token (e.g. a newline or end-of-text)")
+    single = len(prompts) == 0 or not isinstance(prompts[0], (list, tuple))
+    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    if not batch:
+        raise ValueError("no prompts: give a token list, or a list of token lists")
+    for i, p in enumerate(batch):
+        if not p:
+            where = "" if single else f" (prompt {i} of the batch)"
+            raise ValueError(f"empty prompt{where}: give at least one token (e.g. a newline or end-of-text)")
     T = model.config.block_size
-    if len(prompt) > T:
-        warnings.warn(f"prompt of {len(prompt)} tokens is longer than block_size={T}: keeping the last {T}")
-        prompt = prompt[-T:]
-    return prompt
+    for i, p in enumerate(batch):
+        if len(p) > T:
+            warnings.warn(f"prompt of {len(p)} tokens is longer than block_size={T}: keeping the last {T}")
+            batch[i] = p[-T:]
+    w = model.lm_head.weight
+    need = model.config.n_layer * 2 * len(batch) * cache_slots * model.config.n_embd * w.element_size()
+    free = _free_memory(w.device)
+    if free is not None and need > free:
+        raise ValueError(f"a batch of {len(batch)} rows needs a KV cache of {need / 2**30:.1f} GiB and {w.device} "
+                         f"has {free / 2**30:.1f} GiB free: decode fewer prompts at once")
+    return batch, single
 
 
-def _prefill(model, ctx, cache, n_drafts):
-    """Fill the cache with ctx; return the last position's main logits (V,) and, unless
-    n_drafts = 0, draft logits (n_drafts, V) (GPT.forward_nodes)."""
-    cache.reset()
-    n, dev, dtype = len(ctx), cache.kv.device, cache.kv.dtype
-    idx = torch.tensor([ctx], dtype=torch.long, device=dev)
-    mask = attention_mask(range(-1, n - 1), model.streams_in_pass(n_drafts), stream_idx=[n - 1], dtype=dtype, device=dev)
-    main_logits, draft_hidden, draft_logits = model.forward_nodes(idx, torch.arange(n, device=dev), mask, cache=cache,
-                                                                  stream_idx=[n - 1], n_drafts=n_drafts, last_only=True)
-    cache.accept(n)
-    if draft_logits is None and draft_hidden is not None:  # Medusa's heads
-        draft_logits = model.draft_logits(draft_hidden)
-    return main_logits[0, -1], (draft_logits[0, -1] if n_drafts != 0 else None)
+def _free_memory(device):
+    """Bytes free on the device (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return None
 
 
-def ar_step(model, cache, root, sampler, positions):
-    """One autoregressive pass: cache the root (1,), return the token after it (1,)."""
-    L = cache.length
-    main_logits, _, _ = model.forward_nodes(root.view(1, 1), positions[L:L + 1], cache=cache, n_drafts=0)
-    cache.accept(1)
-    return sampler.pick(main_logits[0])
+def _prefill(model, ctxs, n_drafts, cache_slots):
+    """One pass over each row's context, right-padded to the longest (a row's padding comes
+    after its tokens, where nothing real looks): a new cache with these rows, the main logits at
+    each row's last token (B, V) and, unless n_drafts = 0, its draft logits (B, g, V)."""
+    cfg, w = model.config, model.lm_head.weight
+    B, n = len(ctxs), max(map(len, ctxs))
+    idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in ctxs], device=w.device)
+    last = torch.tensor([len(c) - 1 for c in ctxs], device=w.device)[:, None]  # (B, 1)
+    cache = KVCache(cfg, cache_slots, B, device=w.device, dtype=w.dtype)
+    causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
+    g = model.streams_in_pass(n_drafts)
+    window = attention_window(stream_rows_mask(causal, g, stream_idx=last), cache_slots, w.dtype)
+    main_logits, draft_logits = model.forward_nodes(idx, torch.arange(n, device=w.device), cache.mask(window),
+                                                    cache=cache, stream_idx=last, n_drafts=n_drafts, main_idx=last)
+    cache.advance(last[:, 0] + 1)
+    return cache, main_logits[:, 0], (draft_logits[:, 0] if draft_logits is not None else None)
+
+
+class Batch:
+    """The rows being decoded, as both decoders share them: each row's context and output on
+    the host, its cache row, its root and drafts on the device. Rows that finish (end-of-text,
+    max_new_tokens) leave, with their cache rows; a row whose cache is full rebuilds it from its
+    last block_size // 2 tokens (the sliding window of one sequence, row by row)."""
+
+    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, n_drafts, cache_slots, stats):
+        self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
+        self.n_drafts, self.slots, self.stats, self.t0 = n_drafts, cache_slots, stats, time.perf_counter()
+        self.ctx = [list(p) for p in prompts]  # each row's accepted tokens: what a rebuilt window holds
+        self.out = [[] for _ in prompts]
+        self.rows = list(range(len(prompts)))  # the prompt index of each row still decoding
+        self.lengths = [len(p) for p in prompts]  # the host's copy of cache.length, from the tokens it emits
+        self.out_root = [None] * len(prompts)  # each row's root: the last token it emitted, cached by the next pass
+        self.cache, self.first_logits, self.drafts = _prefill(model, self.ctx, n_drafts, cache_slots)
+        self.roots = None  # the same roots on the device
+        stats.passes, stats.row_seconds = 1, [0.0] * len(prompts)
+
+    def emit(self, new, cached=True):
+        """Each row's new tokens (a list per row: a pass's accepted drafts and the next root); the
+        pass cached the previous root and the drafts (cached=False: the prefill's first root).
+        Rows that finish leave the batch, full caches are rebuilt. Returns False when no row is left."""
+        keep = []
+        for i, (b, toks) in enumerate(zip(self.rows, new)):
+            if cached:
+                self.ctx[b] += [self.out_root[i]] + toks[:-1]
+                self.lengths[i] += len(toks)
+            self.out_root[i] = toks[-1]
+            out = self.out[b]
+            if self.eot in toks:
+                toks = toks[:toks.index(self.eot) + 1]
+            toks = toks[:self.max_new - len(out)]
+            out += toks
+            if cached:
+                self.stats.accepted.append(len(toks))  # tau counts what a pass emitted: a pass cut short counts less
+            shown = [t for t in toks if t != self.eot]
+            if self.on_tokens and shown:
+                self.on_tokens(b, shown)
+            if (out and out[-1] == self.eot) or len(out) >= self.max_new:
+                self.stats.row_seconds[b] = time.perf_counter() - self.t0
+            else:
+                keep.append(i)
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, dtype=torch.long, device=self.cache.length.device)
+            self.cache.keep_rows(index)
+            self.roots = self.roots[index]
+            self.drafts = self.drafts[index] if self.drafts is not None else None
+            self.rows, self.lengths = [self.rows[i] for i in keep], [self.lengths[i] for i in keep]
+            self.out_root = [self.out_root[i] for i in keep]
+        T = self.model.config.block_size
+        full = [i for i, L in enumerate(self.lengths) if L == T]
+        if full:  # sliding window: rebuild these rows from their last T // 2 tokens (one pass)
+            for i in full:
+                b = self.rows[i]
+                self.ctx[b] = self.ctx[b][-(T // 2):]
+                self.lengths[i] = T // 2
+            cache, _, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.n_drafts, self.slots)
+            index = torch.tensor(full, device=cache.length.device)
+            self.cache.put_rows(index, cache)
+            if drafts is not None:
+                self.drafts[index] = drafts
+            self.stats.passes += 1
+        return bool(self.rows)
+
+    def finish(self, single):
+        outs = [o[:-1] if o and o[-1] == self.eot else o for o in self.out]
+        self.stats.new_tokens = sum(map(len, outs))
+        self.stats.seconds = time.perf_counter() - self.t0
+        return (outs[0] if single else outs), self.stats
+
+
+def ar_window(cache):
+    """The attention window of a one-token pass: a row sees its prefix and itself (masks.py)."""
+    one = torch.ones(1, 1, 1, dtype=torch.bool, device=cache.kv.device)
+    return attention_window(one, cache.kv.shape[4], cache.kv.dtype)
+
+
+def ar_step(model, cache, root, sampler, window):
+    """One autoregressive pass over the batch: cache each row's root (B,), return the token after it (B,)."""
+    main_logits, _ = model.forward_nodes(root[:, None], cache.length[:, None], cache.mask(window),
+                                         cache=cache, n_drafts=0)
+    cache.advance(1)
+    return sampler.pick(main_logits[:, 0])
 
 
 @decoding_kernels
 @torch.inference_mode()
-def generate_ar(model, prompt, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, eot=None,
+def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, eot=None,
                 on_tokens=None):
-    """KV-cached autoregressive decoding: one token per forward pass (the baseline)."""
-    t0 = time.perf_counter()
-    ctx = _prepare(model, prompt, max_new_tokens)
-    T, dev = model.config.block_size, model.lm_head.weight.device
-    cache = KVCache(model.config, T, device=dev, dtype=model.lm_head.weight.dtype)
-    positions = torch.arange(T, device=dev)
-    sampler = Sampler(temperature, top_k, top_p, seed, dev)
-    stats = Stats()
-    main_logits, _ = _prefill(model, ctx, cache, n_drafts=0)
-    root = sampler.pick(main_logits[None])  # (1,): stays on the device, it is the next input
-    stats.passes = 1
-    out = []
-    while True:
-        token = root.item()  # the one host sync per step
-        if token == eot:
-            break
-        out.append(token)
-        if on_tokens:
-            on_tokens([token])
-        if len(out) >= max_new_tokens:
-            break
-        if cache.length == T:  # sliding window: rebuild from the last T // 2 tokens
-            ctx = ctx[-(T // 2):]
-            _prefill(model, ctx, cache, n_drafts=0)
-            stats.passes += 1
-        root = ar_step(model, cache, root, sampler, positions)
-        ctx.append(token)
-        stats.passes += 1
-        stats.accepted.append(1)
-    stats.new_tokens, stats.seconds = len(out), time.perf_counter() - t0
-    return out, stats
+    """KV-cached autoregressive decoding: one token per row per forward pass (the baseline).
+
+    prompts: a token list, or a list of token lists of any lengths (a batch). Returns the new
+    tokens (a list, or a list per prompt) and Stats. on_tokens(prompt index, tokens) gets each
+    pass's tokens as soon as they are final."""
+    batch, single = _prepare(model, prompts, max_new_tokens, model.config.block_size)
+    sampler = Sampler(temperature, top_k, top_p, seed, model.lm_head.weight.device)
+    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, 0, model.config.block_size, Stats())
+    window = ar_window(rows.cache)
+    rows.roots = sampler.pick(rows.first_logits)
+    go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
+    while go:
+        rows.roots = ar_step(model, rows.cache, rows.roots, sampler, window)
+        rows.stats.passes += 1
+        go = rows.emit([[t] for t in rows.roots.tolist()])  # the one host sync per step
+    return rows.finish(single)
 
 
-def walk(ys, tokens, children):
-    """Verify: from the root, follow the child that carries the target's token y; return
-    the path (node indices, root first) and the token after it."""
-    path, u = [0], 0
-    while True:
-        y = ys[u]
-        for c in children[u]:
-            if tokens[c] == y:
-                break
-        else:
-            return path, y
-        path.append(c)
-        u = c
+def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0):
+    """One forward pass of Speculative Streaming over the batch: verify the tree drafted from
+    draft_logits, draft the next. Everything stays on the device: no host sync.
 
-
-def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0, on_pass=None):
-    """One forward pass of Speculative Streaming: verify the tree drafted from draft_logits, draft the next.
-
-    root: (1,) the next token, decided but not yet cached; draft_logits: (tree.n_drafts, V) the
-    streams' logits at the last accepted position. Returns (path, y, root, draft_logits,
-    n_nodes): the path's tokens (root first), now cached; y, the token after them (the next
-    root, also as a (1,) tensor); the next draft logits; the number of nodes verified.
-    on_pass: called with what the pass drafted, verified and accepted (a dict; trace.py
-    records it), or None.
+    root: (B,) the next token of each row, decided but not yet cached; draft_logits: (B, D, V)
+    the streams' logits at each row's last accepted position; max_depth (B,): the deepest node
+    a row may accept (its positions stay < block_size). Returns (emitted, root, draft_logits,
+    pass): emitted (B, D+3) = [a, the path's tokens (root first, padded), the next root] of
+    each row, where a (1 to D+1) is the number of nodes it accepted, so the pass emits the
+    path's a - 1 drafts and the next root; the next roots (B,); the next draft logits
+    (B, D, V); and what the pass drafted, verified and accepted (a dict: trace.py).
     """
-    L = cache.length
-    # 1. tree draft: candidates ranked per depth, placed into the tree's shape
+    T = model.config.block_size
+    # 1. tree draft: candidates ranked per depth, placed into the tree's shape (per row for a budget tree)
     ranked, draft_probs = sampler.draft(draft_logits, tree.width)
-    shape = tree.shape(draft_logits, max_depth)
-    tokens = shape.tokens(root, ranked)
-    drafted_tokens, drafted_shape = tokens, shape  # the tree before pruning, for on_pass
+    shape = tree.shape(draft_logits, draft_probs, max_depth)
+    tokens = torch.cat([root[:, None], ranked.flatten(1).gather(1, shape.gather)], dim=1)
+    drafted = dict(tokens=tokens, shape=shape)
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
-        tokens, shape, main_logits, draft_hidden, all_draft_logits = pruned_pass(model, tokens, shape, tree, cache,
-                                                                                 prune_threshold)
-    else:  # all_draft_logits: every node's, when the pass is small enough to get them in its LM head call
-        main_logits, draft_hidden, all_draft_logits = model.forward_nodes(tokens[None], shape.depth + L, shape.mask(L),
-                                                                          cache=cache, n_drafts=tree.n_drafts)
-    # 3. verify: the token the target emits at every node; walk while a child carries it
-    ys_t = sampler.verify(main_logits[0], draft_probs, ranked, shape)
-    ys, toks = torch.stack([ys_t, tokens]).tolist()  # the one host sync of the step
-    path, y = walk(ys, toks, shape.children)
-    # 4. accept: keep the path's K/V; the streams of its last node draft the next step
-    cache.accept(path)
-    if on_pass is not None:
-        on_pass(dict(cache_length=L, draft_logits=draft_logits, draft_probs=draft_probs, drafted_tokens=drafted_tokens,
-                     drafted_shape=drafted_shape, tokens=toks, shape=shape, ys=ys, path=path, next_root=y,
-                     n_drafts=tree.n_drafts))
-    u = path[-1]
-    next_draft_logits = model.draft_logits(draft_hidden[0, u]) if all_draft_logits is None else all_draft_logits[0, u]
-    return [toks[i] for i in path], y, ys_t[u:u + 1], next_draft_logits, shape.n_nodes
+        tokens, shape, main_logits, all_drafts = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
+    else:
+        positions = (cache.length[:, None] + shape.depth).clamp(max=T - 1)  # deeper nodes are never accepted
+        main_logits, all_drafts = model.forward_nodes(tokens, positions, cache.mask(shape.window), cache=cache,
+                                                      n_drafts=tree.n_drafts)
+    # 3. verify: the token the target emits at every node; a node is accepted when every node on
+    # its path carries the token its parent emitted (children hold distinct tokens: one per depth)
+    ys = sampler.verify(main_logits, draft_probs, ranked, shape)
+    miss = (tokens != ys.gather(1, shape.parent)) | (shape.depth > max_depth[:, None])
+    accepted = (shape.depth + 1).masked_fill_((shape.anc & miss[:, None, :]).any(-1), 0)
+    last = accepted.argmax(1)  # the deepest accepted node
+    path, root = shape.path[shape.row, last], ys[shape.row, last]
+    # 4. accept: keep each row's path in its cache; the streams of its last node draft the next step
+    accepted = accepted[shape.row, last]
+    if tree.is_chain:
+        cache.advance(accepted)
+    else:
+        cache.accept(path, accepted)
+    emitted = torch.cat([accepted[:, None], tokens.gather(1, path), root[:, None]], dim=1)
+    step = dict(drafted=drafted, tokens=tokens, shape=shape, ys=ys, path=path, draft_probs=draft_probs)
+    return emitted, root, all_drafts[shape.row, last], step
+
+
+def _on_pass(on_pass, L, draft_logits, step, a, root, n_drafts):
+    """Hand one pass of a single sequence to on_pass as plain lists (trace.py)."""
+    on_pass(dict(cache_length=L, draft_logits=draft_logits[0], draft_probs=None if step["draft_probs"] is None
+                 else step["draft_probs"][0], drafted_tokens=step["drafted"]["tokens"][0],
+                 drafted_shape=step["drafted"]["shape"].host(), tokens=step["tokens"][0].tolist(),
+                 shape=step["shape"].host(), ys=step["ys"][0].tolist(), path=step["path"][0, :a].tolist(),
+                 next_root=int(root[0]), n_drafts=n_drafts))
 
 
 @decoding_kernels
 @torch.inference_mode()
-def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
+def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
                          eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prune_threshold > 0: parallel tree pruning (ss_mini/pruning.py) inside each pass (greedy only).
-    on_pass: called after each decode pass with what it did (see speculative_step; trace.py)."""
+    prompts, on_tokens and the result: as `generate_ar`. prune_threshold > 0: parallel tree
+    pruning (ss_mini/pruning.py) inside each pass (greedy, one prompt). on_pass: called after
+    each decode pass of a single prompt with what it did (trace.py)."""
     cfg = model.config
     if prune_threshold and not cfg.prune_adapter_rank:
         raise ValueError("prune_threshold needs a model trained with a pruning adapter (--prune_adapter_rank=8)")
@@ -313,41 +411,26 @@ def generate_speculative(model, prompt, max_new_tokens, tree, temperature=0.0, t
     if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with --n_streams=3, "
                          "or decode without --speculative")
-    t0 = time.perf_counter()
-    ctx = _prepare(model, prompt, max_new_tokens)
-    T, dev, dtype = cfg.block_size, model.lm_head.weight.device, model.lm_head.weight.dtype
+    dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     tree.bind(cfg, dev, dtype)
-    cache = KVCache(cfg, T + len(tree) * (1 + cfg.n_streams), device=dev, dtype=dtype)  # + tentative slots
+    batch, single = _prepare(model, prompts, max_new_tokens, tree.max_len)
+    if prune_threshold and len(batch) > 1:
+        raise ValueError("parallel tree pruning decodes one prompt at a time: give one prompt, or prune_threshold=0")
+    if on_pass and len(batch) > 1:
+        raise ValueError("on_pass records the passes of one prompt: give one prompt")
+    T = cfg.block_size
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
-    stats = Stats()
-    main_logits, draft_logits = _prefill(model, ctx, cache, tree.n_drafts)
-    root = sampler.pick(main_logits[None])
-    stats.passes = 1
-    out = [root.item()]
-    if out[0] == eot:
-        out = []
-    elif on_tokens:
-        on_tokens(out)
-    while out and out[-1] != eot and len(out) < max_new_tokens:
-        if cache.length == T:  # sliding window, the same rule as generate_ar
-            ctx = ctx[-(T // 2):]
-            _, draft_logits = _prefill(model, ctx, cache, tree.n_drafts)
-            stats.passes += 1
-        max_depth = T - 1 - cache.length  # positions stay < block_size
-        path, y, root, draft_logits, n_nodes = speculative_step(model, cache, root, draft_logits, tree, sampler,
-                                                                max_depth, prune_threshold, on_pass)
-        ctx.extend(path)
-        new = path[1:] + [y]  # the pass's tokens: the root was emitted by the pass before
-        if eot is not None and eot in new:
-            new = new[:new.index(eot) + 1]
-        new = new[:max_new_tokens - len(out)]
-        out.extend(new)
-        stats.passes += 1
-        stats.accepted.append(len(new))  # tau counts what a pass emitted, so a pass cut short counts less
-        stats.nodes.append(n_nodes)
-        if on_tokens:
-            on_tokens([t for t in new if t != eot])
-    if out and out[-1] == eot:
-        out.pop()
-    stats.new_tokens, stats.seconds = len(out), time.perf_counter() - t0
-    return out, stats
+    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.n_drafts, tree.max_len, Stats())
+    rows.roots = sampler.pick(rows.first_logits)
+    go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
+    while go:
+        L, draft_logits = rows.lengths[0], rows.drafts
+        emitted, rows.roots, rows.drafts, step = speculative_step(
+            model, rows.cache, rows.roots, draft_logits, tree, sampler, T - 1 - rows.cache.length, prune_threshold)
+        emitted = emitted.tolist()  # the one host sync per step
+        rows.stats.passes += 1
+        rows.stats.nodes.append(step["shape"].n_nodes)
+        if on_pass is not None:
+            _on_pass(on_pass, L, draft_logits, step, emitted[0][0], rows.roots, tree.n_drafts)
+        go = rows.emit([path[1:a] + [y] for a, *path, y in emitted])
+    return rows.finish(single)

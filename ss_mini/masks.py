@@ -62,3 +62,31 @@ def attention_mask(parents, n_streams=0, prefix_len=0, stream_idx=None, dtype=to
     if dtype != torch.bool:
         main = torch.zeros(main.shape, dtype=dtype).masked_fill_(~main, float("-inf"))
     return main.to(device)
+
+
+def stream_rows_mask(anc, n_streams, stream_idx=None):
+    """The same rule on the device, for a batch of passes: anc (B, n, n) bool, u's ancestors and
+    u itself (`tree_mask` without the prefix); the nodes with streams stream_idx (B, m) (None =
+    all). Returns (B, R, R), R = n + m * n_streams: rows and keys [n main nodes; the stream rows]."""
+    B, n, _ = anc.shape
+    g = n_streams
+    if not g:
+        return anc
+    rows = anc if stream_idx is None else anc.gather(1, stream_idx[..., None].expand(-1, -1, n))
+    m = rows.shape[1]
+    tril = torch.tril(torch.ones(g, g, dtype=torch.bool, device=anc.device))
+    eye = torch.eye(m, dtype=torch.bool, device=anc.device)
+    own = (eye[:, None, :, None] & tril[None, :, None, :]).reshape(m * g, m * g).expand(B, -1, -1)
+    main = torch.cat([anc, anc.new_zeros(B, n, m * g)], dim=2)
+    return torch.cat([main, torch.cat([rows.repeat_interleave(g, dim=1), own], dim=2)], dim=1)
+
+
+def attention_window(local, max_len, dtype):
+    """A pass's mask over its own rows, local (B, R, W) bool, made ready for a cache of max_len
+    slots: (B, R, 2 max_len) additive, [the prefix: all 0 | local | -inf]. A pass writes its rows
+    at slots L, L+1, ... of a row whose cache holds L tokens, so that row's mask over the whole
+    cache is this window cut at max_len - L (`KVCache.mask`): one gather, on the device."""
+    B, R, W = local.shape
+    add = torch.zeros(local.shape, dtype=dtype, device=local.device).masked_fill_(~local, float("-inf"))
+    return torch.cat([add.new_zeros(B, R, max_len), add, add.new_full((B, R, max_len - W), float("-inf"))], dim=2)
+

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from .generate import Sampler, _prefill, ar_step, generate_ar, generate_speculative, speculative_step
+from .generate import Sampler, _prefill, ar_step, ar_window, generate_ar, generate_speculative, speculative_step
 from .kernels import HEAD_ROWS
-from .kvcache import KVCache
+from .medusa import medusa_logits
 from .tree import BudgetTree
 
 
@@ -125,10 +125,9 @@ def products(model, n_nodes, n_drafts=None):
     first = model.first_msa_layer(g)
     n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
-    x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n}}
+    x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n, n * g}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
     xh = {r: w.new_zeros(1, r, hidden) for r in set(rows)}
-    drafts = w.new_zeros(g, cfg.n_embd) if g else w.new_zeros(cfg.n_embd)
 
     def run():
         for block, r in zip(model.transformer.h, rows):
@@ -137,8 +136,10 @@ def products(model, n_nodes, n_drafts=None):
             model.lm_head(x[n * (1 + g)])
             return
         model.lm_head(x[n])
-        if n_drafts != 0:
-            model.draft_logits(drafts)
+        if g:
+            model.lm_head(x[n * g])
+        elif n_drafts != 0:
+            medusa_logits(model, x[n])
     return run
 
 
@@ -187,20 +188,22 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     T, L = cfg.block_size, len(context)
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
-    cache = KVCache(cfg, T + max(sizes) * (1 + cfg.n_streams), device=dev, dtype=dtype)
     sampler = Sampler(0.0, None, None, None, dev)
-    # the draft logits each tree's steps see, as generate_speculative's prefill gives them (the cache comes out the same)
-    qs = {n: _prefill(model, list(context), cache, t.n_drafts)[1] for n, t in trees.items()}
-    logits, _ = _prefill(model, list(context), cache, n_drafts=0)
-    root, positions = sampler.pick(logits[None]), torch.arange(T, device=dev)
+    caches = {n: _prefill(model, [list(context)], t.n_drafts, t.max_len) for n, t in trees.items()}
+    caches["ar"] = _prefill(model, [list(context)], 0, T)
+    root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
+    max_depth = T - 1 - caches["ar"][0].length
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def ar():
-        ar_step(model, cache, root, sampler, positions).item()
+        ar_step(model, caches["ar"][0], root, sampler, window).tolist()
+
+    def ss(n, t):
+        cache, _, q = caches[n]
+        speculative_step(model, cache, root, q, t, sampler, max_depth)[0].tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
-                **{n: (lambda t=t, q=qs[n]: speculative_step(model, cache, root, q, t, sampler, T - 1 - L))
-                   for n, t in trees.items()},
+                **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},
                 **{f"products {n}": products(model, n, t.n_drafts) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
@@ -212,7 +215,8 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
             sync()
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
-            cache.length = L
+            for cache, _, _ in caches.values():
+                cache.rewind(L)
     med = {k: statistics.median(v) for k, v in times.items()}
     costs = {n: med[n] / med["ar"] for n in sizes}
     floors = {n: 1 + (med[f"products {n}"] - med["products ar"]) / med["ar"] for n in sizes}

@@ -224,65 +224,53 @@ class GPT(nn.Module):
         cfg = self.config
         return cfg.n_layer - cfg.n_msa_layers if g else cfg.n_layer
 
-    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, n_drafts=None, last_only=False):
-        """Run main nodes idx (B, n) at positions pos (n,) and the streams of some of them.
+    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, n_drafts=None, main_idx=None):
+        """Run main nodes idx (B, n) at positions pos ((B, n) or (n,)) and the streams of some of them.
 
-        mask: from `attention_mask` for these nodes (and their streams, if any run), with the
-        cached prefix as its first columns; None for one node that sees every key.
-        stream_idx: the nodes that carry streams (None = all). n_drafts: see `streams_in_pass`.
-        Returns the main logits (B, n, V) (only the last node's with last_only), the drafter's
-        hidden states: (B, m, g, d) for the streams of m nodes, (B, m, d) for Medusa, or None,
-        and the streams' draft logits (B, m, g, V) or None. A decoding step needs the draft
-        logits of one node, the one verify accepts. When the main rows asked for plus the
-        stream rows are at most kernels.HEAD_ROWS, one LM head call gives the logits of all of
-        them, reading the head once as an autoregressive step does. Otherwise (and with no
-        streams, or Medusa) the third output is None, and `draft_logits` turns the accepted
-        node's hidden states into logits after verify.
+        mask: the pass's attention mask (masks.py): over the pass's own rows [n main nodes; their
+        stream rows] without a cache (training), over all the cache's slots with one
+        (decoding, `KVCache.mask`). stream_idx: the nodes that carry streams, (m,) or (B, m) per
+        row (None = all). n_drafts: see `streams_in_pass`. main_idx: the main rows whose logits
+        are wanted, (k,) or (B, k) (None = all).
+        Returns (main logits (B, k, V), draft logits (B, m, g, V): the g streams' logits at
+        each streamed node; or Medusa's K heads there; None when the pass drafts nothing).
+        Main and stream rows share the LM head: when there are at most kernels.HEAD_ROWS of
+        them, one call gives all their logits, reading the head once as an autoregressive step
+        does (kernels.py).
         """
         x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
-        return self.forward_top(x, mask, stream_idx=stream_idx, cache=cache, n_drafts=n_drafts, last_only=last_only)
+        return self.forward_top(x, mask, stream_idx=stream_idx, cache=cache, n_drafts=n_drafts, main_idx=main_idx)
 
     def forward_bottom(self, idx, pos, mask=None, cache=None, n_drafts=None):
         """Embeddings and the layers below stream insertion: main rows only."""
         n = idx.shape[1]
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x) if self.training else x
-        if mask is not None:  # the main rows' part: the prefix and the nodes, no stream keys
-            mask = mask[:n, :mask.shape[1] - mask.shape[0] + n]
+        if mask is not None:  # the main rows; without a cache also only their keys
+            mask = mask[..., :n, :] if cache is not None else mask[..., :n, :n]
         for i in range(self.first_msa_layer(self.streams_in_pass(n_drafts))):
             x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
-    def forward_top(self, x, mask=None, stream_idx=None, cache=None, n_drafts=None, last_only=False):
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, n_drafts=None, main_idx=None):
         """Stream insertion (Eq. 3), the multi-stream attention layers (Eq. 2) and the heads."""
         cfg = self.config
         n, g = x.shape[1], self.streams_in_pass(n_drafts)
         if g:  # stream insertion, Eq. 3 (f_eta = identity): S_{t,j} = M_t + P_j
-            src = x if stream_idx is None else x[:, stream_idx]
-            x = torch.cat([x, (src.unsqueeze(2) + self.stream_emb[:g]).flatten(1, 2)], dim=1)
-            if mask is None:  # one node: it sees every key, its streams see it and their lower streams
-                L = cache.length if cache is not None else 0
-                mask = attention_mask([-1], g, L, dtype=x.dtype, device=x.device)
+            x = torch.cat([x, (_rows(x, stream_idx).unsqueeze(2) + self.stream_emb[:g]).flatten(1, 2)], dim=1)
         for i in range(self.first_msa_layer(g), cfg.n_layer):
             x = self.transformer.h[i](x, n, mask, cache, i)
         x = self.transformer.ln_f(x)
-        draft_hidden = None
-        if g:
-            draft_hidden = x[:, n:].unflatten(1, (-1, g))
-        elif cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
-            draft_hidden = x[:, :n] if stream_idx is None else x[:, stream_idx]
-        k = 1 if last_only else n  # the main rows whose logits are asked for; the stream rows follow them
-        if g and x.shape[1] - n + k <= HEAD_ROWS:  # few rows: one LM head call for all (kernels.py)
-            logits = self.lm_head(x[:, n - k:])
-            return logits[:, :k], draft_hidden, logits[:, k:].unflatten(1, (-1, g))
-        return self.lm_head(x[:, n - k:n]), draft_hidden, None
-
-    def draft_logits(self, draft_hidden):
-        """Draft logits from the drafter's hidden states: the shared LM head for stream rows
-        (..., gamma, d) -> (..., gamma, V); Medusa's heads for main rows (..., d) -> (..., K, V)."""
-        if self.config.n_medusa_heads:
-            return medusa_logits(self, draft_hidden)
-        return self.lm_head(draft_hidden)
+        main = _rows(x[:, :n], main_idx)
+        if g:  # the stream rows follow the main rows: one head call for a few rows (kernels.py)
+            k, streams = main.shape[1], x[:, n:]
+            if k + streams.shape[1] > HEAD_ROWS:
+                return self.lm_head(main), self.lm_head(streams).unflatten(1, (-1, g))
+            logits = self.lm_head(x if main_idx is None else torch.cat([main, streams], dim=1))
+            return logits[:, :k], logits[:, k:].unflatten(1, (-1, g))
+        if cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
+            return self.lm_head(main), medusa_logits(self, _rows(x, stream_idx))
+        return self.lm_head(main), None
 
     # ------------------------------------------------------------------ training (Eq. 5)
 
@@ -318,9 +306,7 @@ class GPT(nn.Module):
         where = None if k == 1 else range(offset, T, k)  # the positions that carry streams
         mask = self.chain_mask(T, idx.device, where)
         h = self.forward_bottom(idx, torch.arange(T, device=idx.device), mask)
-        main_logits, draft_hidden, draft_logits = self.forward_top(h, mask, where and list(where))
-        if draft_logits is None and draft_hidden is not None:
-            draft_logits = self.draft_logits(draft_hidden)
+        main_logits, draft_logits = self.forward_top(h, mask, where and list(where))
         if targets is None:
             return main_logits, draft_logits, None
         V = main_logits.shape[-1]
@@ -349,3 +335,13 @@ class GPT(nn.Module):
         decay = [p for p in decay if all(p is not q for q in no_decay)]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+
+def _rows(x, idx):
+    """x (B, n, d) at rows idx: None = all, (m,) or a list = the same rows of every batch row,
+    (B, m) = its own rows for each."""
+    if idx is None:
+        return x
+    if isinstance(idx, list) or idx.dim() == 1:
+        return x[:, idx]
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))

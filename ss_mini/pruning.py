@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 
+
 class PruningAdapter(nn.Module):
     """o_theta: h + up(down(h)), then ln_f and the LM head give the early logits."""
 
@@ -26,30 +27,32 @@ class PruningAdapter(nn.Module):
 
 @torch.no_grad()
 def pruned_pass(model, tokens, shape, tree, cache, threshold):
-    """A tree pass (GPT.forward_nodes) with pruning between GPT.forward_bottom and GPT.forward_top.
+    """A tree pass (GPT.forward_nodes) with pruning between GPT.forward_bottom and GPT.forward_top,
+    for one row (B = 1: which nodes survive is decided on the host).
 
-    tokens: (n,) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
+    tokens: (1, n) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
     it. At layer N - Ns the early transition probability of every edge decides which nodes
     survive; a dropped node takes its subtree with it. Returns the surviving nodes' tokens
-    and shape, root first, then what GPT.forward_top returns for them. The bottom layers'
-    cached K/V of the kept nodes move to slots L..L+kept-1; those of dropped nodes are
-    simply not kept.
+    and shape (a subset of the same template), root first, then what GPT.forward_top returns
+    for them. The bottom layers' cached K/V of the kept nodes move to slots L..L+kept-1;
+    those of dropped nodes are simply not kept.
     """
-    L, n = cache.length, shape.n_nodes
-    h = model.forward_bottom(tokens[None], shape.depth + L, shape.mask(L), cache, tree.n_drafts)
+    L, n = int(cache.length[0]), shape.n_nodes
+    positions = (cache.length[:, None] + shape.depth).clamp(max=model.config.block_size - 1)
+    h = model.forward_bottom(tokens, positions, cache.mask(shape.window), cache, tree.n_drafts)
     if n > 1:
-        parent_idx = torch.tensor(shape.parents[1:], device=h.device)
-        early_probs = torch.softmax(model.prune_adapter.early_logits(model, h[0, parent_idx]).float(), dim=-1)
-        p_edge = early_probs.gather(-1, tokens[1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
+        parents = shape.parent[0].tolist()
+        early_probs = torch.softmax(model.prune_adapter.early_logits(model, h[0, parents[1:]]).float(), dim=-1)
+        p_edge = early_probs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
         alive = [True] + [False] * (n - 1)
         for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
-            alive[u] = alive[shape.parents[u]] and p_edge[u - 1] >= threshold
+            alive[u] = alive[parents[u]] and p_edge[u - 1] >= threshold
         kept = [u for u in range(n) if alive[u]]
         if len(kept) < n:
-            index = {u: i for i, u in enumerate(kept)}
-            shape = tree.shape_of([index.get(shape.parents[u], -1) for u in kept], [shape.ranks[u] for u in kept])
+            shape = tree.subshape(shape, kept)
             k = torch.tensor(kept, device=h.device)
             first_msa = model.config.n_layer - model.config.n_msa_layers
             cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
-            h, tokens = h[:, k], tokens[k]
-    return (tokens, shape, *model.forward_top(h, shape.mask(L), cache=cache, n_drafts=tree.n_drafts))
+            h, tokens = h[:, k], tokens[:, k]
+    return (tokens, shape, *model.forward_top(h, cache.mask(shape.window), cache=cache,
+                                              n_drafts=tree.n_drafts))

@@ -5,101 +5,148 @@ tokens at depths 1..gamma after the root r (the next token, already decided). A 
 draft puts r at depth 0 and, at depth j, candidates from q_j. The candidates of each
 depth come *ranked* from the sampling rule (generate.py: the top-K tokens of q_j when
 greedy, a sample without replacement when sampling), and every node is (depth, rank):
-the children of a node always hold ranks 0..m-1 of the next depth. A tree's *shape*
-(`TreeShape`) is flat arrays in topological order (a parent before its children), so
-that a depth limit is a prefix of the nodes:
+the children of a node always hold ranks 0..m-1 of the next depth.
 
-    parents[n]   index of the parent, -1 for the root
-    depths[n]    0 for the root, j for a candidate from stream j
-    ranks[n]     rank of the node's token among the candidates of its depth
-    children[n]  child indices, for the walk of the verifier
-
-Two shapes, one interface (`tree.shape(draft_logits, max_depth)` -> TreeShape):
+Every tree is a fixed *template* of nodes in topological order (a parent before its
+children) and, at each step, a choice of n of them for each row of the batch:
 - `CartesianTree(ks)`: the paper's tree, every node at depth j-1 gets the top-k_j
-  candidates of depth j: 1 + k_1 + k_1 k_2 + ... nodes, always the same shape.
-- `BudgetTree(n)`: the n nodes with the largest product of stream probabilities along
-  their path (ranks scored by the sorted probabilities of q), always containing the
-  top-1 chain; its shape follows the drafts, and each shape met is kept for reuse.
-A shape carries what the pass needs on the device, built once: the node depths, the
-gather index into the ranked candidates and the attention mask in SDPA's additive form,
-with block_size prefix columns, so a step with L cached tokens takes a view. A tree
-bound to a model knows how many depths it drafts (`n_drafts`: its depth, at most gamma):
-its passes run that many streams, since deeper ones would draft tokens no node holds.
+  candidates of depth j: 1 + k_1 + k_1 k_2 + ... nodes; the template is the tree, and
+  every row takes all of it.
+- `BudgetTree(n)`: the n nodes with the largest product of draft probabilities along
+  their path, always containing the top-1 chain. The template holds every path that can
+  be among the best n (a child or a next sibling is never more probable than its node, so
+  the best n are closed under "parent of" and "previous sibling of"); each step scores the
+  template on the device and keeps the n best, a different shape in every row.
+So a pass always carries n nodes per row, and a shape is data, never read by the host
+(`TreeShape`): the tensors that the pass, verify and accept need, with a batch dimension
+of 1 (Cartesian: shared by all rows) or B (budget: one shape per row).
+
+A tree bound to a model knows how many depths it drafts (`n_drafts`: its depth, at most
+gamma): its passes run that many streams, since deeper ones would draft tokens no node holds.
 """
-import heapq
 import itertools
 import math
 
 import torch
 
-from .masks import attention_mask
+from .masks import attention_window, stream_rows_mask
+
+MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
 
 
 class TreeShape:
-    def __init__(self, parents, ranks, n_drafts, block_size, width, device, dtype):
-        self.parents, self.ranks, self.n_nodes = list(parents), list(ranks), len(parents)
-        self.depths, self.children = [0] * self.n_nodes, [[] for _ in parents]
-        for i, p in enumerate(self.parents[1:], 1):
-            self.depths[i] = self.depths[p] + 1
-            self.children[p].append(i)
-        self.depth = torch.tensor(self.depths, device=device)
-        # node i > 0 takes the token at flat index (depth - 1) * width + rank of the ranked candidates
-        self.gather = torch.tensor([(d - 1) * width + r for d, r in zip(self.depths[1:], self.ranks[1:])],
-                                   dtype=torch.long, device=device)
-        # for speculative sampling: which children a node tries, and the depth whose candidates they hold
-        self.max_children = max(len(c) for c in self.children)
-        self.tries = torch.tensor([[float(r < len(c)) for r in range(width)] for c in self.children],
-                                  device=device)  # (n, width): 1.0 where node u has an (r+1)-th child
-        self.cand_row = self.depth.clamp(max=n_drafts - 1)
-        self.block_size = block_size
-        self.full_mask = attention_mask(self.parents, n_drafts, block_size, dtype=dtype, device=device)
+    """The shape of one step's tree in every row, as tensors on the device; B is 1 when all
+    rows share it. n nodes, D = the tree's depth:
+
+        depth   (B, n)     0 for the root, j for a candidate from stream j
+        parent  (B, n)     the parent's index (the root points to itself)
+        gather  (B, n-1)   where each node after the root takes its token from the ranked
+                           candidates: (depth - 1) * width + rank
+        anc     (B, n, n)  v is u's ancestor or u itself, the root left out (verify)
+        path    (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
+        tries   (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
+        window  (B, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
+    The batch dimension is B, made once (the rows of a Cartesian tree share their values).
+    """
+
+    def __init__(self, template, sel, n_streams, max_len, width):
+        t = template
+        B, n = sel.shape
+        self.n_nodes, self.width = n, width
+        self.sel = sel  # which template nodes: (B, n), ascending, so a parent comes before its children
+        self.row = torch.arange(B, device=sel.device)
+        self.depth, self.rank = t.depth[sel], t.rank[sel]
+        self.gather = t.gather[sel][:, 1:]
+        inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template node -> its index here
+        inv.scatter_(1, sel, torch.arange(n, device=sel.device).expand(B, n))
+        self.parent = inv.gather(1, t.parent[sel])
+        self.path = inv.gather(1, t.path[sel].flatten(1)).view(B, n, -1)
+        anc = t.anc[sel[:, :, None], sel[:, None, :]]  # (B, n, n): v is an ancestor of u, or u itself
+        self.anc = anc.clone()
+        self.anc[:, :, 0] = False  # the root is always accepted
+        ones = torch.ones(B, n - 1, device=sel.device)
+        children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
+        self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()
+        self.max_children = min(width, t.max_children)
+        self.cand_row = self.depth.clamp(max=max(n_streams, 1) - 1)  # each node's children come from this depth's q
+        self.window = attention_window(stream_rows_mask(anc, n_streams), max_len, t.dtype)
+
+    def host(self, row=0):
+        """Plain lists of one row's shape (parents, depths, ranks, children), for a trace or a test."""
+        return HostShape(self, row)
+
+
+class HostShape:
+    """One row of a TreeShape as lists, read on the host (trace.py, tests); `mask(L)` is the
+    same pass mask with the cached prefix as its first L columns, as a bool tensor."""
+
+    def __init__(self, shape, row):
+        self.n_nodes = shape.n_nodes
+        self.parents = [-1] + shape.parent[row, 1:].tolist()
+        self.depths = shape.depth[row].tolist()
+        self.ranks = shape.rank[row].tolist()
+        self.children = [[] for _ in range(self.n_nodes)]
+        for u, p in enumerate(self.parents[1:], 1):
+            self.children[p].append(u)
+        self.depth = shape.depth[row]
+        self._window, self._S = shape.window[min(row, shape.window.shape[0] - 1)], shape.window.shape[-1] // 2
 
     def mask(self, L):
-        """The attention mask of this tree after L cached tokens: a view, no work on a CPU. A GPU
-        gets a copy: its fused attention kernels need the mask's memory aligned, and a view
-        starts wherever L puts it."""
-        mask = self.full_mask[:, self.block_size - L:]
-        return mask if mask.device.type == "cpu" else mask.contiguous()
-
-    def tokens(self, root, ranked):
-        """The tree's tokens: the root (1,), then each node's candidate from ranked (depths, width)."""
-        return torch.cat([root, ranked.reshape(-1)[self.gather]])
+        local = self._window[:, self._S:]
+        R = local.shape[0]
+        return torch.cat([torch.ones(R, L, dtype=torch.bool), local[:, :R].cpu() == 0], dim=1)
 
 
-MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
-SHAPE_CACHE_BYTES = 64 << 20  # the masks of the shapes kept for reuse (a GPT-2-sized n32 mask is ~0.6 MB)
+class Template:
+    """A tree's template: every node it may use, as (depth, rank) paths in topological order,
+    with the tensors that every shape gathers from."""
+
+    def __init__(self, paths, width, device, dtype):
+        index = {p: i for i, p in enumerate(paths)}
+        self.size, self.dtype = len(paths), dtype
+        parent = [0] + [index[p[:-1]] for p in paths[1:]]
+        ranks = [0] + [p[-1] for p in paths[1:]]
+        self.depths = [len(p) for p in paths]
+        D = max(self.depths)
+        self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # children hold ranks 0..m-1
+        on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # the nodes root..u
+        anc = torch.zeros(self.size, self.size, dtype=torch.bool)
+        for u, nodes in enumerate(on_path):
+            anc[u, nodes] = True
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+        self.parent, self.depth, self.rank = t(parent), t(self.depths), t(ranks)
+        self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
+        self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
+        self.anc = anc.to(device)
+        self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # every rank on the path is 0: the top-1 chain
 
 
 class _Tree:
-    """What both shapes share: binding to a model (streams, block size, vocabulary), a device
-    and a dtype, and the shapes built for them."""
+    """What both trees share: binding to a model (streams, block size, vocabulary), a device
+    and a dtype, which builds the template."""
 
     def bind(self, config, device, dtype):
         if len(self) > MAX_NODES:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
-        # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_drafts), and
+        # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_streams), and
         # at least one, so that every pass drafts for the next
         n_drafts = max(1, min(self.max_depth, config.n_drafts))
-        key = (n_drafts, config.block_size, str(device), dtype)
-        if getattr(self, "_key", None) != key or self.width != min(self.max_width, config.vocab_size):
-            self._key, self._shapes, self._shape_bytes = key, {}, 0
-            self.width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
-        self.n_drafts = n_drafts
+        width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
+        key = (n_drafts, config.block_size, str(torch.device(device)), dtype, width)
+        if getattr(self, "_key", None) != key:
+            self._key, self.n_drafts, self.width = key, n_drafts, width
+            self.max_len = config.block_size + len(self) * (1 + n_drafts)  # the cache: accepted + a pass's rows
+            self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
+            self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
+            self._fixed = {}  # a Cartesian tree's one shape, per batch size
         return self
 
-    def shape_of(self, parents, ranks):
-        """The TreeShape of these arrays, built once."""
-        key = (tuple(parents), tuple(ranks))
-        if key not in self._shapes:
-            n_drafts, block_size, device, dtype = self._key
-            shape = TreeShape(parents, ranks, n_drafts, block_size, self.width, device, dtype)
-            size = shape.full_mask.numel() * shape.full_mask.element_size()
-            if self._shape_bytes + size > SHAPE_CACHE_BYTES:  # a budget tree meets few shapes; bound them anyway
-                self._shapes.clear()
-                self._shape_bytes = 0
-            self._shapes[key] = shape
-            self._shape_bytes += size
-        return self._shapes[key]
+    def __len__(self):
+        return self.n_nodes
+
+    def subshape(self, shape, kept):
+        """The shape of the nodes `kept` (ascending indices, closed under parents) of a one-row shape."""
+        return TreeShape(self.template, shape.sel[:, kept], self.n_drafts, self.max_len, self.width)
 
 
 class CartesianTree(_Tree):
@@ -107,20 +154,10 @@ class CartesianTree(_Tree):
         self.ks = tuple(int(k) for k in ks)
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"tree {ks!r}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
-        n = sum(math.prod(self.ks[:j]) for j in range(len(self.ks) + 1))
-        if n > MAX_NODES:
-            raise ValueError(f"tree {self} has {n} nodes; use at most {MAX_NODES} (tens are typical)")
-        paths = [()]  # nodes in breadth-first order, each with its rank at every depth of its path
-        for k in self.ks:
-            paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
-        index = {p: i for i, p in enumerate(paths)}
-        self.parents = [-1] + [index[p[:-1]] for p in paths[1:]]
-        self.ranks = [0] + [p[-1] for p in paths[1:]]
-        self.n_at_depth = [sum(1 for p in paths if len(p) <= j) for j in range(len(self.ks) + 1)]
+        self.n_nodes = sum(math.prod(self.ks[:j]) for j in range(len(self.ks) + 1))
+        if self.n_nodes > MAX_NODES:
+            raise ValueError(f"tree {self} has {self.n_nodes} nodes; use at most {MAX_NODES} (tens are typical)")
         self.max_width, self.max_depth = max(self.ks), len(self.ks)
-
-    def __len__(self):
-        return len(self.parents)
 
     def bind(self, config, device, dtype):
         if self.max_width > config.vocab_size:
@@ -128,10 +165,20 @@ class CartesianTree(_Tree):
                              f"has {config.vocab_size}")
         return super().bind(config, device, dtype)
 
-    def shape(self, draft_logits, max_depth):
-        """The fixed shape, cut to the nodes at depth <= max_depth."""
-        n = self.n_at_depth[min(max_depth, len(self.ks))]
-        return self.shape_of(self.parents[:n], self.ranks[:n])
+    def paths(self, depth, width):
+        paths = [()]  # breadth-first, each node with its rank at every depth of its path
+        for k in self.ks:
+            paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
+        return paths
+
+    def shape(self, draft_logits, draft_probs=None, max_depth=None):
+        """The fixed shape, the same for every row and every step (built once per batch size)."""
+        B = draft_logits.shape[0]
+        if B not in self._fixed:
+            t = self.template
+            sel = torch.arange(t.size, device=t.depth.device).expand(B, -1)
+            self._fixed[B] = TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
+        return self._fixed[B]
 
     def __repr__(self):
         return ",".join(map(str, self.ks))
@@ -144,41 +191,34 @@ class BudgetTree(_Tree):
         self.n_nodes, self.n_streams = int(n_nodes), n_streams
         self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n nodes is n - 1 deep
 
-    def __len__(self):
-        return self.n_nodes
+    def paths(self, depth, width):
+        """Every path (rank at depth 1, rank at depth 2, ...) that can be among the best n with
+        the top-1 chain: the paths it needs (prefixes, lower ranks) and the chain fit in n."""
+        n, chain = self.n_nodes, min(depth, self.n_nodes - 1)
+        need = lambda p: 1 + sum(math.prod(r + 1 for r in p[:j]) for j in range(1, len(p) + 1)) + max(0, chain - len(p))
+        out, level = [()], [()]
+        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper extension
+            level = [p + (r,) for p in level for r in itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))]
+            out += level
+        return out
 
-    def shape(self, draft_logits, max_depth):
-        """Best-first search over paths (rank at depth 1, rank at depth 2, ...) scored by the
-        sorted stream probabilities: a child or the next sibling of a chosen node is never
-        more probable than it, so popping from a heap yields the best paths in order."""
-        n, D, k = self.n_nodes, min(max_depth, self.n_streams), self.width
-        if n <= D + 1:  # the budget holds the top-1 chain and no more: no search needed
-            return self.shape_of(list(range(-1, n - 1)), [0] * n)
-        probs = torch.topk(torch.softmax(draft_logits[:D].float(), dim=-1), k, dim=-1).values.tolist()
-        parents, ranks, depths, score = [-1], [0], [0], [1.0]
-
-        def add(parent, rank):
-            parents.append(parent), ranks.append(rank), depths.append(depths[parent] + 1)
-            score.append(score[parent] * probs[depths[-1] - 1][rank])
-            return len(parents) - 1
-
-        frontier, tie = [], itertools.count()
-
-        def push(parent, rank):  # candidate: child of `parent` with this rank at the next depth
-            if depths[parent] < D and rank < k:
-                heapq.heappush(frontier, (-score[parent] * probs[depths[parent]][rank], next(tie), parent, rank))
-
-        node = 0  # the top-1 chain first, so the budget always holds the greedy guess
-        while len(parents) < n and depths[node] < D:
-            node = add(node, 0)
-            push(parents[node], 1)
-        push(node, 0)
-        while len(parents) < n and frontier:
-            _, _, parent, rank = heapq.heappop(frontier)
-            node = add(parent, rank)
-            push(parent, rank + 1)
-            push(node, 0)
-        return self.shape_of(parents, ranks)
+    def shape(self, draft_logits, draft_probs=None, max_depth=None):
+        """Each row's best n template nodes, scored by the product of draft probabilities along
+        the path (ranks take the sorted probabilities of q; q is softmax(draft_logits) when greedy,
+        the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
+        first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
+        template order among ties, so the n best are a tree: a parent before its children."""
+        t, B = self.template, draft_logits.shape[0]
+        q = torch.softmax(draft_logits.float(), dim=-1) if draft_probs is None else draft_probs.float()
+        logq = torch.topk(q[:, :self.n_drafts], self.width, dim=-1).values.clamp_min(1e-30).log().flatten(1)
+        step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
+        step[:, 0] = 0.0
+        score = step @ t.anc.T.float()  # log of the product along the path (anc includes u itself)
+        score = score.masked_fill(t.on_chain, torch.inf)
+        if max_depth is not None:
+            score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
+        sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes].sort(dim=1).values
+        return TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
 
     def __repr__(self):
         return f"n{self.n_nodes}"
