@@ -152,6 +152,16 @@ def test_sample_cli(tiny_ckpt, tmp_path):
     assert r.returncode != 0 and "streams" in r.stderr
 
 
+def test_sample_prints_a_character_split_across_passes_whole():
+    """A byte-level BPE can end a pass in the middle of a character's UTF-8 bytes: the text waits
+    for the rest, and a U+FFFD that the output ends on is printed at the end."""
+    from sample import StreamText
+    pieces = [b"caf", b"\xc3", b"\xa9 \xe2\x82", b"\xac", b"!\xff"]  # "café €!" and a stray byte
+    stream = StreamText(lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"))
+    shown = [stream.add([i]) for i in range(len(pieces))] + [stream.add([], final=True)]
+    assert shown == ["caf", "", "é ", "€", "!", "\ufffd"]
+
+
 def test_sample_speculative_on_plain_model_is_a_clear_error(tmp_path):
     out = tmp_path / "plain"
     assert run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--max_iters=2",
