@@ -399,3 +399,22 @@ def test_linear_with_a_packed_weight_is_the_same_product(bias):
                 torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
             with torch.no_grad():
                 layer.weight.mul_(-2.0)  # as an optimizer step would: the pack must follow
+
+
+def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
+    """Packing runs only where torch has both MKL ops it calls; the packed copy of a big weight
+    is freed when the model goes to training or to another device or dtype."""
+    from types import SimpleNamespace
+    from ss_mini import kernels
+    assert not kernels.mkl_packing(SimpleNamespace(_mkl_linear=None))  # the reorder op missing
+    assert kernels.mkl_packing(SimpleNamespace(_mkl_linear=None, _mkl_reorder_linear_weight=None)) == kernels.MKL
+    if not kernels.MKL:
+        pytest.skip("this torch has no MKL packing")
+    model = torch.nn.Sequential(Linear(256, 1024)).eval()
+    for leave in (lambda: model.train(), lambda: model.to(torch.float64)):
+        with torch.inference_mode():
+            model(torch.randn(4, 256))
+        assert model[0]._pack is not None
+        leave()
+        assert model[0]._pack is None
+        model.float().eval()
