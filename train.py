@@ -6,7 +6,7 @@
     python train.py --init_from=out-ar/ckpt.pt --out_dir=out-ft   # add streams to it
     python train.py --init_from=nanogpt:../nanoGPT/out-shakespeare-char --freeze_base=True \
         --dataset=text:../nanoGPT/data/shakespeare_char/input.txt --out_dir=out-from-nanogpt  # streams for nanoGPT's model
-    torchrun --nproc_per_node=2 train.py            # data-parallel
+    torchrun --nproc_per_node=2 train.py --gradient_accumulation_steps=2   # data-parallel, one step per process
 """
 import math
 import os
@@ -155,6 +155,15 @@ def check_config(cfg, given):
     return ckpt
 
 
+def steps_per_process(steps, world):
+    """Each of the world processes' share of the gradient accumulation steps (the whole run's)."""
+    if steps % world:
+        fix = -(-steps // world) * world  # the next multiple
+        raise UsageError(f"--gradient_accumulation_steps={steps} does not split among {world} processes: "
+                         f"give --gradient_accumulation_steps={fix} (a multiple of the {world} processes)")
+    return steps // world
+
+
 def main(argv=None):
     given = set()
     cfg = parse_args(config, argv, __doc__, given=given)
@@ -169,10 +178,7 @@ def main(argv=None):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-        if cfg["gradient_accumulation_steps"] % world:
-            raise UsageError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
-                             f"the {world} processes")
-        cfg["gradient_accumulation_steps"] //= world
+        cfg["gradient_accumulation_steps"] = steps_per_process(cfg["gradient_accumulation_steps"], world)
     else:
         rank, world, device = 0, 1, pick_device(cfg["device"])
     master = rank == 0

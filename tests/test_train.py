@@ -179,6 +179,23 @@ def test_torchrun_two_processes(tmp_path):
     assert "2 process(es)" in r.stdout and load_checkpoint(f"{tmp_path}/ddp")["iter_num"] == 4
 
 
+def test_the_documented_torchrun_command_splits_its_steps():
+    """train.py's own torchrun line passes the check that each process gets whole accumulation
+    steps, and a command that fails it is told the flag that fixes it."""
+    import train
+    from ss_mini.cli import UsageError
+    line = next(line for line in train.__doc__.splitlines() if "torchrun" in line)
+    world = int(re.search(r"--nproc_per_node=(\d+)", line)[1])
+    steps = int(re.search(r"--gradient_accumulation_steps=(\d+)", line)[1])
+    assert train.steps_per_process(steps, world) == 1
+    with pytest.raises(UsageError) as e:
+        train.steps_per_process(1, 2)  # the default on two processes
+    assert str(e.value) == ("--gradient_accumulation_steps=1 does not split among 2 processes: "
+                            "give --gradient_accumulation_steps=2 (a multiple of the 2 processes)")
+    with pytest.raises(UsageError, match="give --gradient_accumulation_steps=6 "):
+        train.steps_per_process(5, 3)
+
+
 def test_bench_json(tiny_ckpt):
     import json
     r = run("bench.py", f"--out_dir={tiny_ckpt}", "--num_prompts=3", "--max_new_tokens=30", "--prompt_tokens=20",
