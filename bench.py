@@ -43,7 +43,7 @@ from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree
-from ss_mini.tree_search import choose_tree, decode_kwargs, pick_prompts, validation_prompts
+from ss_mini.tree_choice import choose_tree, decode_kwargs, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",

@@ -1,4 +1,4 @@
-"""bench.py: the tree search's choice (ss_mini/tree_search.py), repeated runs, --suite and its
+"""bench.py: the tree search's choice (ss_mini/tree_choice.py), repeated runs, --suite and its
 worked example (ss_mini/suite.py)."""
 import json
 import os

@@ -217,7 +217,7 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     a file with no more than that is used for both (and bench says so)."""
     import json
     import bench
-    from ss_mini.tree_search import pick_prompts
+    from ss_mini.tree_choice import pick_prompts
 
     class Tok:
         encode = staticmethod(lambda text: [ord(c) for c in text])
