@@ -287,6 +287,32 @@ def main(argv=None):
         model.train()
         return out
 
+    def evaluate():
+        """Log the losses and save a checkpoint if the model got better; returns whether it saved."""
+        nonlocal ckpt_val
+        losses = estimate_loss()
+        val = losses["val"][0]
+        # a checkpoint is kept when what this run trains gets better: in lossless mode only the
+        # drafter learns and the main stream's loss cannot move, so there it is the streams' mean loss
+        score = sum(losses["val"][1:]) / len(losses["val"][1:]) if cfg["freeze_base"] else val
+        streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
+        log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
+            + (f"; val per stream: {streams}" if streams else ""))
+        if not master or iter_num == start_iter:
+            return False
+        # a worse model never replaces a better one, unless always_save_checkpoint says so
+        if score < ckpt_val or cfg["always_save_checkpoint"]:
+            save_checkpoint(make_checkpoint(
+                raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val, selection_loss=score,
+                val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
+                train_seconds=time.time() - t_start), ckpt_path)
+            log(f"saved {ckpt_path} ({what} {score:.4f}" + ("" if score < ckpt_val else
+                f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
+            ckpt_val = score
+            return True
+        log(f"not saved: {score:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+        return False
+
     np.random.seed(cfg["seed"] + rank)
     tokens_per_iter = cfg["gradient_accumulation_steps"] * world * cfg["batch_size"] * T
     log(f"training on {device} ({dtype}), {world} process(es), {tokens_per_iter:,} tokens per iteration, "
@@ -294,32 +320,16 @@ def main(argv=None):
     x, y = get_batch("train")
     t0 = t_start = time.time()
     dt_avg, start_iter = None, iter_num
+    evaluated = start_iter  # the last iteration evaluated (or the start): the weights since are untried
+    what = "the streams' mean val" if cfg["freeze_base"] else "val"
     try:
         while True:
             lr = get_lr(iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
-                losses = estimate_loss()
-                val = losses["val"][0]
-                # a checkpoint is kept when what this run trains gets better: in lossless mode only the
-                # drafter learns and the main stream's loss cannot move, so there it is the streams' mean loss
-                score = sum(losses["val"][1:]) / len(losses["val"][1:]) if cfg["freeze_base"] else val
-                streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
-                log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
-                    + (f"; val per stream: {streams}" if streams else ""))
-                # a worse model never replaces a better one, unless always_save_checkpoint says so
-                if master and iter_num > start_iter and (score < ckpt_val or cfg["always_save_checkpoint"]):
-                    save_checkpoint(make_checkpoint(
-                        raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val, selection_loss=score,
-                        val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
-                        train_seconds=time.time() - t_start), ckpt_path)
-                    what = "the streams' mean val" if cfg["freeze_base"] else "val"
-                    log(f"saved {ckpt_path} ({what} {score:.4f}" + ("" if score < ckpt_val else
-                        f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
-                    ckpt_val = score
-                elif master and iter_num > start_iter:
-                    log(f"not saved: {score:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+                evaluate()
+                evaluated = iter_num
             if iter_num >= cfg["max_iters"]:
                 break
             for micro in range(cfg["gradient_accumulation_steps"]):
@@ -347,8 +357,16 @@ def main(argv=None):
                     f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt_avg * 1000:.0f} ms/iter and "
                     f"{tokens_per_iter / dt_avg:,.0f} tokens/s (moving average), {left / 60:.1f} min left")
     except KeyboardInterrupt:
-        where = (f"the last checkpoint is {ckpt_path} (selection loss {ckpt_val:.4f}); continue with python train.py "
-                 f"--init_from=resume --out_dir={cfg['out_dir']}" if os.path.exists(ckpt_path) else "no checkpoint written")
+        resume = f"; continue with python train.py --init_from=resume --out_dir={cfg['out_dir']}"
+        try:  # the iterations since the last evaluation (up to eval_interval) are kept if the model got better
+            if master and iter_num > evaluated:
+                line = (f"checkpoint saved at iter {iter_num} ({what} {ckpt_val:.4f})" if evaluate()
+                        else f"the saved checkpoint ({what} {ckpt_val:.4f}) is better; not replaced")
+                raise SystemExit(f"\ninterrupted: {line}{resume}") from None
+        except KeyboardInterrupt:  # pressed again: saves are atomic, so the checkpoint on disk is whole
+            pass
+        where = (f"the last checkpoint is {ckpt_path} ({what} {ckpt_val:.4f}){resume}" if os.path.exists(ckpt_path)
+                 else "no checkpoint written")
         raise SystemExit(f"\ninterrupted at iteration {iter_num}: {where}") from None
     log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min; {ckpt_path} holds "
         + ("the streams' mean val loss" if cfg["freeze_base"] else "val loss") + f" {ckpt_val:.4f}")

@@ -347,8 +347,8 @@ def test_checkpoints_are_never_lost(tmp_path):
 
 
 def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
-    """Ctrl-C in train.py says where the checkpoint is and how to resume, in one line, and
-    leaves it as it was; in sample.py it prints one line too."""
+    """Ctrl-C in train.py says, in one line, whether it saved the model and how to resume, and
+    a checkpoint it does not replace stays as it was; in sample.py it prints one line too."""
     import signal
     out = tmp_path / "out"
     common = [f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY]
@@ -368,11 +368,44 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
 
     code, err = interrupt([os.path.join(ROOT, "train.py"), *common, "--init_from=resume", "--max_iters=100000",
                            "--eval_interval=50000"], lambda line: line.startswith("iter "))
-    assert code == 1 and len(err) == 1 and "interrupted at iteration" in err[0], err
-    assert "--init_from=resume" in err[0] and (out / "ckpt.pt").read_bytes() == first
+    assert code == 1 and len(err) == 1 and err[0].startswith("interrupted: ") and "--init_from=resume" in err[0], err
+    saved = re.search(r"checkpoint saved at iter (\d+)", err[0])
+    assert saved or "is better; not replaced" in err[0]
+    assert load_checkpoint(str(out))["iter_num"] == int(saved[1]) if saved else (out / "ckpt.pt").read_bytes() == first
     code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000",
                            "--num_samples=1000"], lambda line: True)
     assert code == 1 and err[-1] == "interrupted" and not any("Traceback" in e for e in err), err
+
+
+def test_ctrl_c_in_training_keeps_a_better_model(tmp_path, monkeypatch):
+    """Ctrl-C between two evaluations evaluates once more and saves the model if it is better
+    than the checkpoint, so the iterations since the last evaluation are not lost; a worse
+    model is not saved."""
+    import train
+    out = tmp_path / "out"
+    common = [f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--max_iters=1000", "--eval_interval=1000"]
+    resume = f"; continue with python train.py --init_from=resume --out_dir={out}"
+    real = train.get_lr  # the loop calls it first thing in every iteration
+
+    def interrupt_at(k):
+        def get_lr(it, cfg):
+            if it == k:
+                raise KeyboardInterrupt
+            return real(it, cfg)
+        monkeypatch.setattr(train, "get_lr", get_lr)
+
+    interrupt_at(40)
+    with pytest.raises(SystemExit) as e:
+        train.main([*common, "--learning_rate=3e-3"])
+    ckpt = load_checkpoint(str(out))
+    assert ckpt["iter_num"] == 40
+    assert e.value.code == f"\ninterrupted: checkpoint saved at iter 40 (val {ckpt['val_loss']:.4f}){resume}"
+    first = (out / "ckpt.pt").read_bytes()
+    interrupt_at(50)  # ten iterations at a learning rate far too high: a worse model
+    with pytest.raises(SystemExit) as e:
+        train.main([*common, "--init_from=resume", "--learning_rate=0.5", "--warmup_iters=0", "--min_lr=0.5"])
+    assert e.value.code == f"\ninterrupted: the saved checkpoint (val {ckpt['val_loss']:.4f}) is better; not replaced{resume}"
+    assert (out / "ckpt.pt").read_bytes() == first
 
 
 def test_training_is_reproducible(tmp_path):
