@@ -38,12 +38,12 @@ from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_
 from ss_mini.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
-                             step_bytes, summarize, unreliable)
+                             step_bytes, summarize, synchronize, unreliable)
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree
-from ss_mini.tree_search import choose_tree, decode_kwargs, pick_prompts, validation_prompts
+from ss_mini.tree_choice import choose_tree, decode_kwargs, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",
@@ -106,8 +106,7 @@ def train_bench(ckpt, device, steps, log):
             losses["loss"].backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         res[name] = 1000 * statistics.median(times[2:])
     log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} ms/iter with the "

@@ -65,6 +65,23 @@ def read_prompt(start):
     return start
 
 
+class StreamText:
+    """The text of a growing output, piece by piece: a character whose UTF-8 bytes come in two
+    passes (GPT-2's byte-level BPE) is shown once whole, not as two U+FFFD."""
+
+    def __init__(self, decode):
+        self.decode, self.tokens, self.shown = decode, [], 0
+
+    def add(self, tokens, final=False):
+        """The new text. A trailing U+FFFD may be half a character: it waits for more tokens,
+        unless the output ends here (final)."""
+        self.tokens += tokens
+        text = self.decode(self.tokens)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        piece, self.shown = text[self.shown:end], end
+        return piece
+
+
 def main(argv=None):
     cfg = parse_args(config, argv, __doc__, flags=("speculative",))
     check(cfg, RULES)
@@ -102,11 +119,11 @@ def main(argv=None):
     color = sys.stdout.isatty() if cfg["color"].lower() == "auto" else cfg["color"].lower() in ("true", "1", "yes")
     for i in range(cfg["num_samples"]):
         sys.stdout.write(tok.decode(prompt))
-        chunk_no = [0]
+        chunk_no, stream = [0], StreamText(tok.decode)
 
-        def show(tokens):
-            piece = tok.decode(tokens)
-            if color and speculative:
+        def show(tokens, final=False):
+            piece = stream.add(tokens, final)
+            if piece and color and speculative:
                 piece = COLORS[chunk_no[0] % 2] + piece + RESET
             chunk_no[0] += 1
             sys.stdout.write(piece)
@@ -125,6 +142,7 @@ def main(argv=None):
                                               on_pass=trace.on_pass if trace else None, **kw)
         else:
             _, stats = generate_ar(model, prompt, cfg["max_new_tokens"], **kw)
+        show([], final=True)
         sys.stdout.write("\n---------------\n")
         sys.stdout.flush()
         print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {stats.new_tokens} new tokens, "

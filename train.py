@@ -6,7 +6,7 @@
     python train.py --init_from=out-ar/ckpt.pt --out_dir=out-ft   # add streams to it
     python train.py --init_from=nanogpt:../nanoGPT/out-shakespeare-char --freeze_base=True \
         --dataset=text:../nanoGPT/data/shakespeare_char/input.txt --out_dir=out-from-nanogpt  # streams for nanoGPT's model
-    torchrun --nproc_per_node=2 train.py            # data-parallel
+    torchrun --nproc_per_node=2 train.py --gradient_accumulation_steps=2   # data-parallel, one step per process
 """
 import math
 import os
@@ -155,6 +155,15 @@ def check_config(cfg, given):
     return ckpt
 
 
+def steps_per_process(steps, world):
+    """Each of the world processes' share of the gradient accumulation steps (the whole run's)."""
+    if steps % world:
+        fix = -(-steps // world) * world  # the next multiple
+        raise UsageError(f"--gradient_accumulation_steps={steps} does not split among {world} processes: "
+                         f"give --gradient_accumulation_steps={fix} (a multiple of the {world} processes)")
+    return steps // world
+
+
 def main(argv=None):
     given = set()
     cfg = parse_args(config, argv, __doc__, given=given)
@@ -169,10 +178,7 @@ def main(argv=None):
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-        if cfg["gradient_accumulation_steps"] % world:
-            raise UsageError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple of "
-                             f"the {world} processes")
-        cfg["gradient_accumulation_steps"] //= world
+        cfg["gradient_accumulation_steps"] = steps_per_process(cfg["gradient_accumulation_steps"], world)
     else:
         rank, world, device = 0, 1, pick_device(cfg["device"])
     master = rank == 0
@@ -281,6 +287,32 @@ def main(argv=None):
         model.train()
         return out
 
+    def evaluate():
+        """Log the losses and save a checkpoint if the model got better; returns whether it saved."""
+        nonlocal ckpt_val
+        losses = estimate_loss()
+        val = losses["val"][0]
+        # a checkpoint is kept when what this run trains gets better: in lossless mode only the
+        # drafter learns and the main stream's loss cannot move, so there it is the streams' mean loss
+        score = sum(losses["val"][1:]) / len(losses["val"][1:]) if cfg["freeze_base"] else val
+        streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
+        log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
+            + (f"; val per stream: {streams}" if streams else ""))
+        if not master or iter_num == start_iter:
+            return False
+        # a worse model never replaces a better one, unless always_save_checkpoint says so
+        if score < ckpt_val or cfg["always_save_checkpoint"]:
+            save_checkpoint(make_checkpoint(
+                raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val, selection_loss=score,
+                val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
+                train_seconds=time.time() - t_start), ckpt_path)
+            log(f"saved {ckpt_path} ({what} {score:.4f}" + ("" if score < ckpt_val else
+                f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
+            ckpt_val = score
+            return True
+        log(f"not saved: {score:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+        return False
+
     np.random.seed(cfg["seed"] + rank)
     tokens_per_iter = cfg["gradient_accumulation_steps"] * world * cfg["batch_size"] * T
     log(f"training on {device} ({dtype}), {world} process(es), {tokens_per_iter:,} tokens per iteration, "
@@ -288,32 +320,16 @@ def main(argv=None):
     x, y = get_batch("train")
     t0 = t_start = time.time()
     dt_avg, start_iter = None, iter_num
+    evaluated = start_iter  # the last iteration evaluated (or the start): the weights since are untried
+    what = "the streams' mean val" if cfg["freeze_base"] else "val"
     try:
         while True:
             lr = get_lr(iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]:
-                losses = estimate_loss()
-                val = losses["val"][0]
-                # a checkpoint is kept when what this run trains gets better: in lossless mode only the
-                # drafter learns and the main stream's loss cannot move, so there it is the streams' mean loss
-                score = sum(losses["val"][1:]) / len(losses["val"][1:]) if cfg["freeze_base"] else val
-                streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
-                log(f"step {iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main stream)"
-                    + (f"; val per stream: {streams}" if streams else ""))
-                # a worse model never replaces a better one, unless always_save_checkpoint says so
-                if master and iter_num > start_iter and (score < ckpt_val or cfg["always_save_checkpoint"]):
-                    save_checkpoint(make_checkpoint(
-                        raw_model, optimizer=optimizer.state_dict(), iter_num=iter_num, val_loss=val, selection_loss=score,
-                        val_losses=losses["val"], config=cfg, tokenizer=tokenizer.meta(), corpus=corpus,
-                        train_seconds=time.time() - t_start), ckpt_path)
-                    what = "the streams' mean val" if cfg["freeze_base"] else "val"
-                    log(f"saved {ckpt_path} ({what} {score:.4f}" + ("" if score < ckpt_val else
-                        f", not better than the {ckpt_val:.4f} it replaced: always_save_checkpoint=True") + ")")
-                    ckpt_val = score
-                elif master and iter_num > start_iter:
-                    log(f"not saved: {score:.4f} is not better than the {ckpt_val:.4f} of {ckpt_path}")
+                evaluate()
+                evaluated = iter_num
             if iter_num >= cfg["max_iters"]:
                 break
             for micro in range(cfg["gradient_accumulation_steps"]):
@@ -341,8 +357,16 @@ def main(argv=None):
                     f"{losses['main'].item():.4f}), lr {lr:.2e}, {dt_avg * 1000:.0f} ms/iter and "
                     f"{tokens_per_iter / dt_avg:,.0f} tokens/s (moving average), {left / 60:.1f} min left")
     except KeyboardInterrupt:
-        where = (f"the last checkpoint is {ckpt_path} (selection loss {ckpt_val:.4f}); continue with python train.py "
-                 f"--init_from=resume --out_dir={cfg['out_dir']}" if os.path.exists(ckpt_path) else "no checkpoint written")
+        resume = f"; continue with python train.py --init_from=resume --out_dir={cfg['out_dir']}"
+        try:  # the iterations since the last evaluation (up to eval_interval) are kept if the model got better
+            if master and iter_num > evaluated:
+                line = (f"checkpoint saved at iter {iter_num} ({what} {ckpt_val:.4f})" if evaluate()
+                        else f"the saved checkpoint ({what} {ckpt_val:.4f}) is better; not replaced")
+                raise SystemExit(f"\ninterrupted: {line}{resume}") from None
+        except KeyboardInterrupt:  # pressed again: saves are atomic, so the checkpoint on disk is whole
+            pass
+        where = (f"the last checkpoint is {ckpt_path} ({what} {ckpt_val:.4f}){resume}" if os.path.exists(ckpt_path)
+                 else "no checkpoint written")
         raise SystemExit(f"\ninterrupted at iteration {iter_num}: {where}") from None
     log(f"done: {iter_num} iterations in {(time.time() - t_start) / 60:.1f} min; {ckpt_path} holds "
         + ("the streams' mean val loss" if cfg["freeze_base"] else "val loss") + f" {ckpt_val:.4f}")

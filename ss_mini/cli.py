@@ -2,8 +2,10 @@
 
 Each script keeps its whole config in one dict at its top (nanoGPT style); this file
 only parses overrides against it: the type of each default is the type of the field,
-an unknown key or a bad value is a one-line error that names the choices.
+an unknown key or a bad value is a one-line error that offers the closest key or names the
+choices.
 """
+import difflib
 import sys
 
 import torch
@@ -49,7 +51,8 @@ def parse_args(config, argv=None, doc="", flags=(), given=None):
             raise UsageError(f"unexpected argument {arg!r}; options are --key=value (see --help)")
         key, eq, raw = arg[2:].partition("=")
         if key not in cfg:
-            raise UsageError(f"unknown option --{key}; valid: {', '.join('--' + k for k in cfg)}")
+            close = difflib.get_close_matches(key, cfg, n=1)
+            raise UsageError(f"unknown option --{key}; " + (f"did you mean --{close[0]}?" if close else "see --help"))
         if not eq:
             if key not in flags:
                 raise UsageError(f"--{key} needs a value: --{key}=VALUE (default {cfg[key]!r})")

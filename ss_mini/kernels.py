@@ -34,7 +34,16 @@ import torch.nn.functional as F
 BIG = 1 << 18  # weight entries from which packing pays (smaller weights stay in cache anyway)
 FEW = 64  # rows up to which a product counts as few-row
 HEAD_ROWS = 32  # main and stream rows up to which a pass runs them through the LM head in one call
-MKL = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+MKL_OPS = ("_mkl_linear", "_mkl_reorder_linear_weight")  # Linear calls both
+
+
+def mkl_packing(ops=torch.ops.mkl):
+    """Whether this torch has MKL and both ops that `Linear` calls (a build may lack one of them)."""
+    return torch.backends.mkl.is_available() and all(hasattr(ops, op) for op in MKL_OPS)
+
+
+MKL = mkl_packing()
 
 
 class Linear(nn.Linear):
@@ -59,6 +68,15 @@ class Linear(nn.Linear):
         if getattr(self, "_pack_key", None) != key:
             self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), FEW)
         return self._pack
+
+    def train(self, mode=True):
+        if mode:  # training never uses the pack: free it (GPT-2's is about 0.5 GB in fp32)
+            self._pack_key = self._pack = None
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._pack_key = self._pack = None  # .to() and friends: the pack would be a copy of the old weight
+        return super()._apply(fn, *args, **kwargs)
 
 
 def decoding_kernels(decode):

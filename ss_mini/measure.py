@@ -155,18 +155,26 @@ def step_bytes(model, cache_len):
     return blocks + head.numel() * head.element_size() + kv
 
 
+def synchronize(device):
+    """Wait for the device's queued work, so that a timer sees the work and not its launch."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
     """This machine's memory bandwidth as a large tensor copy sees it (bytes read + written per
     second, best of `repeats`): the roof that a memory-bound decoding step can approach."""
     src = torch.ones(mb * 2**20 * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        sync()
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / best
 
@@ -193,7 +201,6 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     caches["ar"] = _prefill(model, [list(context)], 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
     max_depth = T - 1 - caches["ar"][0].length
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def ar():
         ar_step(model, caches["ar"][0], root, sampler, window).tolist()
@@ -209,10 +216,10 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     for i in range(warmup + steps):
         keys = list(steps_of)
         for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            sync()
+            synchronize(dev)
             t0 = time.perf_counter()
             steps_of[k]()
-            sync()
+            synchronize(dev)
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
             for cache, _, _ in caches.values():

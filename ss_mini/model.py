@@ -290,7 +290,8 @@ class GPT(nn.Module):
         'main' and 'streams' (a list, CE against the data whatever the targets) for logging, and
         'prune' with a pruning adapter. targets[b, t] = x_{t+1}; stream j at t learns x_{t+1+j}
         = targets[b, t+j] (stream_targets="data", the paper's) or the main stream's own
-        distribution there (distill.py); positions past the end are ignored.
+        distribution there (distill.py); positions past the end and targets of -1 (padding) are
+        ignored, and a stream left with no target adds 0.
 
         stream_stride=k > 1 (training mode only): streams run at positions offset, offset + k,
         ... (offset drawn per batch), so the multi-stream layers carry T + gamma*T/k rows
@@ -302,7 +303,7 @@ class GPT(nn.Module):
         if T > cfg.block_size:
             raise ValueError(f"sequence length {T} > block_size {cfg.block_size}")
         k = cfg.stream_stride if self.training and cfg.n_drafts else 1
-        offset = int(torch.randint(k, ())) if k > 1 else 0
+        offset = int(torch.randint(min(k, T), ())) if k > 1 else 0  # below T: some position carries streams
         where = None if k == 1 else range(offset, T, k)  # the positions that carry streams
         mask = self.chain_mask(T, idx.device, where)
         h = self.forward_bottom(idx, torch.arange(T, device=idx.device), mask)
@@ -314,12 +315,14 @@ class GPT(nn.Module):
         loss, stream_losses = main_loss, []
         teacher = stream_teacher(self, idx, main_logits, where) if cfg.n_drafts else None
         for j in range(1, cfg.n_drafts + 1):
-            t = torch.arange(offset, T - j, k, device=idx.device)  # stream j at t has a target if t + j < T
-            s = draft_logits[:, :len(t), j - 1]  # positions rise, so those with a target come first
-            lj = F.cross_entropy(s.reshape(-1, V), targets[:, t + j].reshape(-1), ignore_index=-1)
+            t = torch.arange(offset, max(offset, T - j), k, device=idx.device)  # a target if t + j < T
+            s, y = draft_logits[:, :len(t), j - 1], targets[:, t + j]  # positions rise: those with a target first
+            valid = y != -1  # padding trains no stream, as it trains no main position
+            n = valid.sum().clamp(min=1)  # a stream with no target at all adds 0, not the NaN of an empty mean
+            lj = F.cross_entropy(s.reshape(-1, V), y.reshape(-1), ignore_index=-1, reduction="sum") / n
             stream_losses.append(lj)
             if teacher is not None:  # soft targets: the main stream's distributions (distill.py)
-                lj = -(teacher(j, t) * F.log_softmax(s.float(), dim=-1)).sum(-1).mean()
+                lj = -((teacher(j, t) * F.log_softmax(s.float(), dim=-1)).sum(-1) * valid).sum() / n
             loss = loss + cfg.stream_loss_weight * lj
         losses = {"main": main_loss, "streams": stream_losses}
         if cfg.prune_adapter_rank:  # the pruning adapter learns the next token at layer N - Ns

@@ -30,7 +30,7 @@ def check(path, searched=True):
 def tree_search(rows, best, path, title="", tie_margin=0.0):
     """Speedup and tau of each candidate tree against its node count, the chosen tree marked,
     autoregressive decoding at 1.0 on both. rows: (spec, nodes, bench summary) of
-    tree_search.tree_search; best: the chosen spec; tie_margin: the band below the fastest within
+    tree_choice.tree_search; best: the chosen spec; tie_margin: the band below the fastest within
     which the search takes the smallest tree (shaded). Cartesian trees are dots, node budgets
     squares joined by a line (one family). Written atomically (temp file, then os.replace)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no window

@@ -11,7 +11,7 @@ from .cli import UsageError
 from .measure import machine, over_runs, prompt_speedups, repeat_rate, run_pair, summarize, unreliable
 from .report import shell_quote
 from .tree import make_tree
-from .tree_search import choose_tree, decode_kwargs, pick_prompts
+from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: prompts/ lives there
 SUITE = (  # the README's results table: (checkpoint: 0 = code, 1 = prose; prompts, "" = held-out; temperature)

@@ -36,13 +36,13 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
-    """The tree search (ss_mini/tree_search.py) with bench's defaults, on fake decoders over the
+    """The tree search (ss_mini/tree_choice.py) with bench's defaults, on fake decoders over the
     prompts p0, p1: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
     pass takes 1 ms. Returns the chosen tree,
     the search's rows and every call as (decoder, prompt, max_new_tokens)."""
     import bench
     from types import SimpleNamespace
-    from ss_mini import tree_search
+    from ss_mini import tree_choice
     from ss_mini.generate import Stats
     calls = []
 
@@ -57,9 +57,9 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
         return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
                                seconds=passes * ms * 1e-3)
 
-    monkeypatch.setattr(tree_search, "generate_ar", fake_ar)
-    monkeypatch.setattr(tree_search, "generate_speculative", fake_ss)
+    monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)
+    monkeypatch.setattr(tree_choice, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
-    best, rows = tree_search.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
+    best, rows = tree_choice.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
     return best, rows, calls

@@ -1,10 +1,11 @@
-"""bench.py: the tree search's choice (ss_mini/tree_search.py), repeated runs, --suite and its
+"""bench.py: the tree search's choice (ss_mini/tree_choice.py), repeated runs, --suite and its
 worked example (ss_mini/suite.py)."""
 import json
 import os
 import subprocess
 import sys
 
+import torch
 
 import bench
 from conftest import fake_tree_search
@@ -79,6 +80,24 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
     assert "greedy" in out[0] and "over 2 runs" in out[0]
     assert (result["repeat_rate"] > 0.5) == out[1].startswith("most of this speedup is drafting repeated text")
     assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
+
+
+def test_timings_wait_for_the_device(monkeypatch):
+    """synchronize waits on CUDA and on MPS (else the timers see kernel launches), and every timer uses it."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
+    for device in ("cpu", "cuda:1", "mps", torch.device("mps")):
+        measure.synchronize(device)
+    assert calls == [("cuda", "cuda:1"), ("mps", None), ("mps", None)]
+    seen = []
+    monkeypatch.setattr(measure, "synchronize", seen.append)
+    measure.copy_bandwidth("cpu", mb=1, repeats=1)
+    assert seen == ["cpu", "cpu"]
+    monkeypatch.setattr(bench, "synchronize", seen.append)
+    args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5, n_streams=1, n_msa_layers=1)
+    bench.train_bench(dict(config=dict(batch_size=2, block_size=8), model_args=args), "cpu", 1, lambda *a: None)
+    assert seen[2:] == ["cpu"] * 6  # 3 steps (2 warm-up) of 2 models
 
 
 def test_shell_quote_survives_bash():

@@ -226,6 +226,33 @@ def test_stream_stride_trains_the_same_streams_on_fewer_positions(targets):
         GPTConfig(stream_stride=0)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("targets", ["data", "main", "greedy"])
+def test_streams_without_a_target_add_nothing(stride, targets):
+    """A sequence too short for stream j (T <= j + offset) trains the streams that have a
+    target and adds 0 for the others: no error, no NaN."""
+    for drafter in (dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)):
+        model = random_model(std=0.3, stream_stride=stride, stream_targets=targets, **drafter).train()
+        for T in (1, 2, 3):
+            idx = torch.randint(0, 11, (2, T))
+            _, _, losses = model(idx, idx)
+            losses["loss"].backward()
+            assert torch.isfinite(losses["loss"]) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+            assert [x.item() for x in losses["streams"][T - 1:]] == [0.0] * (4 - T)  # stream j >= T has no target
+            model.zero_grad()
+
+
+@pytest.mark.parametrize("targets", ["data", "main", "greedy"])
+def test_padded_targets_train_no_stream(targets):
+    """Targets of -1 (ignore_index) are padding for the streams too: a batch padded at the end
+    has the loss of the same batch cut before the padding, whatever the streams learn."""
+    model = random_model(std=0.3, stream_targets=targets)
+    idx, tgt = torch.randint(0, 11, (2, 9)), torch.randint(0, 11, (2, 9))
+    padded = tgt.clone()
+    padded[:, 6:] = -1
+    torch.testing.assert_close(model(idx, padded)[2]["loss"], model(idx[:, :6], tgt[:, :6])[2]["loss"])
+
+
 def test_param_report():
     model = random_model(n_streams=4)
     base, draft = model.param_counts()
@@ -372,3 +399,22 @@ def test_linear_with_a_packed_weight_is_the_same_product(bias):
                 torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
             with torch.no_grad():
                 layer.weight.mul_(-2.0)  # as an optimizer step would: the pack must follow
+
+
+def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
+    """Packing runs only where torch has both MKL ops it calls; the packed copy of a big weight
+    is freed when the model goes to training or to another device or dtype."""
+    from types import SimpleNamespace
+    from ss_mini import kernels
+    assert not kernels.mkl_packing(SimpleNamespace(_mkl_linear=None))  # the reorder op missing
+    assert kernels.mkl_packing(SimpleNamespace(_mkl_linear=None, _mkl_reorder_linear_weight=None)) == kernels.MKL
+    if not kernels.MKL:
+        pytest.skip("this torch has no MKL packing")
+    model = torch.nn.Sequential(Linear(256, 1024)).eval()
+    for leave in (lambda: model.train(), lambda: model.to(torch.float64)):
+        with torch.inference_mode():
+            model(torch.randn(4, 256))
+        assert model[0]._pack is not None
+        leave()
+        assert model[0]._pack is None
+        model.float().eval()

@@ -82,14 +82,23 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
 
 def test_bad_command_lines(tmp_path):
     r = run("train.py", "--bogus=1")
-    assert r.returncode != 0 and "unknown option --bogus" in r.stderr and "--max_iters" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode != 0 and r.stderr.strip() == "error: unknown option --bogus; see --help"
     r = run("train.py", "--max_iters=ten")
     assert "takes an integer" in r.stderr
     r = run("train.py", "--help")
     assert r.returncode == 0 and re.search(r"--n_streams +=\s*4\b", r.stdout)
     r = run("sample.py", f"--out_dir={tmp_path}/nothing")
     assert r.returncode != 0 and "run python train.py first" in r.stderr
+
+
+def test_a_mistyped_flag_is_offered_the_closest_one():
+    from ss_mini.cli import UsageError, parse_args
+    config = dict(max_iters=10, max_new_tokens=5, learning_rate=0.1)
+    for typo, hint in (("--max_iter=3", "did you mean --max_iters?"), ("--learningrate", "did you mean --learning_rate?"),
+                       ("--bogus=1", "see --help")):
+        with pytest.raises(UsageError) as e:
+            parse_args(config, [typo])
+        assert str(e.value) == f"unknown option {typo.split('=')[0]}; {hint}"
 
 
 def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
@@ -152,6 +161,16 @@ def test_sample_cli(tiny_ckpt, tmp_path):
     assert r.returncode != 0 and "streams" in r.stderr
 
 
+def test_sample_prints_a_character_split_across_passes_whole():
+    """A byte-level BPE can end a pass in the middle of a character's UTF-8 bytes: the text waits
+    for the rest, and a U+FFFD that the output ends on is printed at the end."""
+    from sample import StreamText
+    pieces = [b"caf", b"\xc3", b"\xa9 \xe2\x82", b"\xac", b"!\xff"]  # "café €!" and a stray byte
+    stream = StreamText(lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"))
+    shown = [stream.add([i]) for i in range(len(pieces))] + [stream.add([], final=True)]
+    assert shown == ["caf", "", "é ", "€", "!", "\ufffd"]
+
+
 def test_sample_speculative_on_plain_model_is_a_clear_error(tmp_path):
     out = tmp_path / "plain"
     assert run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--max_iters=2",
@@ -167,6 +186,23 @@ def test_torchrun_two_processes(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 process(es)" in r.stdout and load_checkpoint(f"{tmp_path}/ddp")["iter_num"] == 4
+
+
+def test_the_documented_torchrun_command_splits_its_steps():
+    """train.py's own torchrun line passes the check that each process gets whole accumulation
+    steps, and a command that fails it is told the flag that fixes it."""
+    import train
+    from ss_mini.cli import UsageError
+    line = next(line for line in train.__doc__.splitlines() if "torchrun" in line)
+    world = int(re.search(r"--nproc_per_node=(\d+)", line)[1])
+    steps = int(re.search(r"--gradient_accumulation_steps=(\d+)", line)[1])
+    assert train.steps_per_process(steps, world) == 1
+    with pytest.raises(UsageError) as e:
+        train.steps_per_process(1, 2)  # the default on two processes
+    assert str(e.value) == ("--gradient_accumulation_steps=1 does not split among 2 processes: "
+                            "give --gradient_accumulation_steps=2 (a multiple of the 2 processes)")
+    with pytest.raises(UsageError, match="give --gradient_accumulation_steps=6 "):
+        train.steps_per_process(5, 3)
 
 
 def test_bench_json(tiny_ckpt):
@@ -190,7 +226,7 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     a file with no more than that is used for both (and bench says so)."""
     import json
     import bench
-    from ss_mini.tree_search import pick_prompts
+    from ss_mini.tree_choice import pick_prompts
 
     class Tok:
         encode = staticmethod(lambda text: [ord(c) for c in text])
@@ -311,8 +347,8 @@ def test_checkpoints_are_never_lost(tmp_path):
 
 
 def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
-    """Ctrl-C in train.py says where the checkpoint is and how to resume, in one line, and
-    leaves it as it was; in sample.py it prints one line too."""
+    """Ctrl-C in train.py says, in one line, whether it saved the model and how to resume, and
+    a checkpoint it does not replace stays as it was; in sample.py it prints one line too."""
     import signal
     out = tmp_path / "out"
     common = [f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY]
@@ -332,11 +368,44 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
 
     code, err = interrupt([os.path.join(ROOT, "train.py"), *common, "--init_from=resume", "--max_iters=100000",
                            "--eval_interval=50000"], lambda line: line.startswith("iter "))
-    assert code == 1 and len(err) == 1 and "interrupted at iteration" in err[0], err
-    assert "--init_from=resume" in err[0] and (out / "ckpt.pt").read_bytes() == first
+    assert code == 1 and len(err) == 1 and err[0].startswith("interrupted: ") and "--init_from=resume" in err[0], err
+    saved = re.search(r"checkpoint saved at iter (\d+)", err[0])
+    assert saved or "is better; not replaced" in err[0]
+    assert load_checkpoint(str(out))["iter_num"] == int(saved[1]) if saved else (out / "ckpt.pt").read_bytes() == first
     code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000",
                            "--num_samples=1000"], lambda line: True)
     assert code == 1 and err[-1] == "interrupted" and not any("Traceback" in e for e in err), err
+
+
+def test_ctrl_c_in_training_keeps_a_better_model(tmp_path, monkeypatch):
+    """Ctrl-C between two evaluations evaluates once more and saves the model if it is better
+    than the checkpoint, so the iterations since the last evaluation are not lost; a worse
+    model is not saved."""
+    import train
+    out = tmp_path / "out"
+    common = [f"--out_dir={out}", f"--data_dir={tmp_path}/data", *TINY, "--max_iters=1000", "--eval_interval=1000"]
+    resume = f"; continue with python train.py --init_from=resume --out_dir={out}"
+    real = train.get_lr  # the loop calls it first thing in every iteration
+
+    def interrupt_at(k):
+        def get_lr(it, cfg):
+            if it == k:
+                raise KeyboardInterrupt
+            return real(it, cfg)
+        monkeypatch.setattr(train, "get_lr", get_lr)
+
+    interrupt_at(40)
+    with pytest.raises(SystemExit) as e:
+        train.main([*common, "--learning_rate=3e-3"])
+    ckpt = load_checkpoint(str(out))
+    assert ckpt["iter_num"] == 40
+    assert e.value.code == f"\ninterrupted: checkpoint saved at iter 40 (val {ckpt['val_loss']:.4f}){resume}"
+    first = (out / "ckpt.pt").read_bytes()
+    interrupt_at(50)  # ten iterations at a learning rate far too high: a worse model
+    with pytest.raises(SystemExit) as e:
+        train.main([*common, "--init_from=resume", "--learning_rate=0.5", "--warmup_iters=0", "--min_lr=0.5"])
+    assert e.value.code == f"\ninterrupted: the saved checkpoint (val {ckpt['val_loss']:.4f}) is better; not replaced{resume}"
+    assert (out / "ckpt.pt").read_bytes() == first
 
 
 def test_training_is_reproducible(tmp_path):
