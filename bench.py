@@ -14,6 +14,8 @@
     python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
     python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
+    python bench.py --batch_size=8         # 8 prompts decoded at once (rows of different lengths)
+    python bench.py --batch_sweep          # batch sizes 1..32+: where speculation stops paying
 
 The report's first line is the answer: the median speedup over --repeats runs with its
 range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
@@ -38,12 +40,12 @@ from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_
 from ss_mini.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
-                             step_bytes, summarize, synchronize, unreliable)
+                             speculative, step_bytes, summarize, synchronize, unreliable)
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree
-from ss_mini.tree_choice import choose_tree, decode_kwargs, pick_prompts, validation_prompts
+from ss_mini.tree_choice import batched, choose_tree, decode_kwargs, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",
@@ -55,8 +57,11 @@ config = dict(
     top_k=0,
     top_p=1.0,
     seed=1337,
-    tree="auto",  # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, or auto
-    candidates="1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",  # trees auto and sweep try
+    tree="auto",  # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or auto
+    candidates="none;1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",  # trees auto and sweep try
+    batch_size=1,  # prompts decoded at once, as one batch (rows drawn from the prompts, of different lengths)
+    batch_sweep=False,  # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
+    batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each batch size
     calibration_tokens=128,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
     tie_margin=0.02,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
     repeats=3,  # measurement runs after one tree search: the report gives the median speedup and its range
@@ -80,10 +85,11 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
              train_steps=at_least(0), threads=at_least(0), prune_threshold=in_range(0.0, 1.0),
              calibration_tokens=at_least(1), tie_margin=in_range(0.0, 1.0, hi_open=True), repeats=at_least(1),
+             batch_size=at_least(1),
              prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"),
              suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")), "two folders, CODE_DIR,PROSE_DIR"))
 NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost", "compile",
-                  "prune_threshold", "train_steps")  # --suite sets these per row
+                  "prune_threshold", "train_steps", "batch_size", "batch_sweep")  # --suite sets these per row
 
 
 def train_bench(ckpt, device, steps, log):
@@ -239,6 +245,53 @@ def step_costs(cfg, device, dtype, log):
     return result
 
 
+def tree_name(tree):
+    return f"{tree} ({len(tree)} nodes)" if tree else "none (plain decoding: no tree pays here)"
+
+
+SWEEP = (1, 2, 4, 8, 16, 32)
+
+
+def batch_sweep(cfg, device, dtype, progress, log):
+    """--batch_sweep: at each batch size B a tree search (the tree `none` among the candidates,
+    so speculation is off where no tree pays), then plain and speculative decoding of the same
+    batches, interleaved. Sizes 1..32, and on while plain decoding's throughput still grows by
+    10% a doubling. Returns the JSON result."""
+    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
+    if model.config.n_drafts == 0:
+        raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
+    prompts, calibration = pick_prompts(cfg, ckpt, tok)
+    kw = decode_kwargs(cfg, tok)
+    search = {**cfg, "tree": "auto", "candidates": cfg["batch_candidates"], "plot": ""}
+    rows, B = [], 1
+    while B in SWEEP or (B <= 1024 and rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
+        progress(f"bench: batch size {B}")
+        batches = batched(prompts, B)
+        tree = choose_tree(model, batched(calibration, B), search, kw, lambda *a: None)
+        r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
+        rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none", rows=sum(map(len, batches))
+                         if B > 1 else len(batches)))
+        B *= 2
+    log(f"model {cfg['out_dir']}, {mode_of(cfg['temperature'])}, {kw['max_new_tokens']} new tokens per prompt, "
+        f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size a tree search ({cfg['batch_candidates']}) "
+        "then plain and speculative decoding of the same batches, interleaved:")
+    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
+        f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
+    for r in rows:
+        log(f"{r['batch_size']:>5} {r['rows']:>7} {r['ar_tokens_per_s']:11.0f} {r['ss_tokens_per_s']:10.0f} "
+            f"{r['speedup']:7.2f}x {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
+            f"{r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
+    stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
+    log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
+        f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
+    log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
+        "decoding's, per prompt")
+    if cfg["plot"]:
+        plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
+        log(f"batch sweep plotted in {cfg['plot']}")
+    return {"batch_sweep": rows, "stops_paying_at": stop, "machine": machine(device, dtype)}
+
+
 def mode_of(temperature):
     return "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
 
@@ -256,9 +309,14 @@ def bench(cfg, device, dtype, progress):
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
-    if cfg["tree"] != "auto":  # a tree that does not fit the model is an error before any work
-        make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype))
+    tree = make_tree(cfg["tree"], model.config.n_drafts) if cfg["tree"] != "auto" else None
+    if tree:  # a tree that does not fit the model is an error before any work
+        tree.bind(model.config, device, getattr(torch, dtype))
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
+    B = cfg["batch_size"]
+    if B > 1 and cfg["prune_threshold"]:
+        raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
+    prompts, calibration = batched(prompts, B), batched(calibration, B)
     details = []
     log = details.append
     if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):
@@ -268,18 +326,18 @@ def bench(cfg, device, dtype, progress):
     base, draft = model.param_counts()
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
-        f"{device} {dtype}, {torch.get_num_threads()} threads")
+        f"{device} {dtype}, {torch.get_num_threads()} threads" + (f"; batches of {B} prompts" if B > 1 else ""))
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
     progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
     tree = choose_tree(model, calibration, cfg, kw, log)
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
-    decoders = [lambda p: generate_ar(model, p, **kw), lambda p: generate_speculative(model, p, tree=tree, **kw)]
+    decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
     if cfg["compile"]:
         fast, t0 = compiled(model), time.perf_counter()
         run_pair(fast, calibration, tree, kw)  # compiles each kind of pass (prefill, one token, tree)
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
-        decoders += [lambda p: generate_ar(fast, p, **kw), lambda p: generate_speculative(fast, p, tree=tree, **kw)]
+        decoders += [lambda p: generate_ar(fast, p, **kw), speculative(fast, tree, kw)]
     runs = []
     for i in range(cfg["repeats"]):  # eager (and compiled) decoders, interleaved on every prompt
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
@@ -288,12 +346,13 @@ def bench(cfg, device, dtype, progress):
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
-    answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree} ({len(tree)} "
-              f"nodes), {mode_of(cfg['temperature'])}: {cfg['out_dir']}, {len(prompts)} {where} prompts x "
-              f"{kw['max_new_tokens']} new tokens"] + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
+    n = f"{sum(map(len, prompts))} {where} prompts in batches of {B}" if B > 1 else f"{len(prompts)} {where} prompts"
+    answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, {mode_of(cfg['temperature'])}: "
+              f"{cfg['out_dir']}, {n} x {kw['max_new_tokens']} new tokens"] + \
+        [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
     log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
-        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {len(prompts)} prompts x {kw['max_new_tokens']} new "
-        f"tokens, {mode_of(cfg['temperature'])}, tree {tree} ({len(tree)} nodes):")
+        f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {n} x {kw['max_new_tokens']} new "
+        f"tokens, {mode_of(cfg['temperature'])}, tree {tree_name(tree)}:")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
@@ -301,7 +360,7 @@ def bench(cfg, device, dtype, progress):
         f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
     log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
         f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
-    if r["efficiency"] > 1:
+    if r["efficiency"] > 1 and tree is not None:
         unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
     if cfg["temperature"] == 0:
         div = r["first_divergence"]
@@ -333,7 +392,7 @@ def bench(cfg, device, dtype, progress):
         result["pruning"] = {"threshold": thr, "unpruned": u, "pruned": p}
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
-    result.update(r, tree=str(tree), tree_nodes=len(tree), draft_params=draft, base_params=base, device=device,
+    result.update(r, tree=str(tree) if tree else "none", tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
                   dtype=dtype, threads=torch.get_num_threads(), prompts=len(prompts),
                   max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
                   machine=machine(device, dtype), report=answer[0])
@@ -341,12 +400,13 @@ def bench(cfg, device, dtype, progress):
 
 
 def main(argv=None):
-    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost", "suite"))
+    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost", "suite", "batch_sweep"))
     check(cfg, RULES)
-    if cfg["plot"]:  # matplotlib, the file and one tree search to draw, before any work
-        searched = (cfg["tree"] == "auto" or cfg["sweep"]) and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"])
+    if cfg["plot"]:  # matplotlib, the file and one tree search (or the batch sweep) to draw, before any work
+        searched = ((cfg["tree"] == "auto" or cfg["sweep"] or cfg["batch_sweep"])
+                    and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"]))
         plot.check(cfg["plot"], searched)
-    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";"):
+    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";") + cfg["batch_candidates"].split(";"):
         make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
     if cfg["suite"]:
         clash = [k for k in NOT_WITH_SUITE if cfg[k] != config[k]]
@@ -367,6 +427,8 @@ def main(argv=None):
         result = step_costs(cfg, device, getattr(torch, dtype), log)
     elif cfg["compare"]:
         result = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
+    elif cfg["batch_sweep"]:
+        result = batch_sweep(cfg, device, dtype, progress, log)
     elif cfg["suite"]:
         import sample  # its defaults: the worked example's commands leave them out
         result = suite(cfg, config, sample.config, device, dtype, progress)

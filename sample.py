@@ -33,7 +33,7 @@ from ss_mini.tree import make_tree
 config = dict(
     out_dir="out",
     start="\n",  # the prompt, or FILE:path to read it from a file
-    num_samples=1,
+    num_samples=1,  # decoded as one batch (each sample is exact; one random generator for the batch)
     max_new_tokens=500,
     temperature=0.8,  # 0 = greedy (the exactness check: the same text with and without --speculative)
     top_k=200,  # 0 = off
@@ -90,12 +90,15 @@ def main(argv=None):
     elif cfg["prune_threshold"] and cfg["temperature"] > 0:
         raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at --temperature="
                          f"{cfg['temperature']}): add --temperature=0")
+    if cfg["prune_threshold"] and cfg["num_samples"] > 1:
+        raise UsageError("--prune_threshold decodes one sample at a time: give --num_samples=1")
     if cfg["trace"]:
         if not cfg["speculative"]:
             raise UsageError("--trace records the passes of speculative decoding: add --speculative")
         check_path(cfg["trace"])
         if cfg["num_samples"] > 1:
-            print(f"note: --trace records the first of the {cfg['num_samples']} samples", file=sys.stderr)
+            raise UsageError("--trace records the passes of one sample: give --num_samples=1")
+
     text = read_prompt(cfg["start"])
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
@@ -114,46 +117,52 @@ def main(argv=None):
     if speculative and model.config.n_drafts == 0:
         raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has n_streams=0; "
                          "train one with python train.py --n_streams=3, or sample without --speculative")
-    tree = make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, device, getattr(torch, dtype)) \
+    weight = model.lm_head.weight  # bind the tree where the model is ("cuda" is cuda:0 there), once
+    tree = make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, weight.device, weight.dtype) \
         if speculative else None
     color = sys.stdout.isatty() if cfg["color"].lower() == "auto" else cfg["color"].lower() in ("true", "1", "yes")
-    for i in range(cfg["num_samples"]):
-        sys.stdout.write(tok.decode(prompt))
-        chunk_no, stream = [0], StreamText(tok.decode)
+    n = cfg["num_samples"]
+    streams, chunk_no = [StreamText(tok.decode) for _ in range(n)], [0]
 
-        def show(tokens, final=False):
-            piece = stream.add(tokens, final)
-            if piece and color and speculative:
-                piece = COLORS[chunk_no[0] % 2] + piece + RESET
-            chunk_no[0] += 1
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-        kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"],
-                  seed=cfg["seed"] + i, eot=tok.eot, on_tokens=show)
-        trace = None
-        if cfg["trace"] and i == 0:
-            trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree),
-                          temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
-                          prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
-        if speculative:
-            out, stats = generate_speculative(model, prompt, cfg["max_new_tokens"], tree,
-                                              prune_threshold=cfg["prune_threshold"],
-                                              on_pass=trace.on_pass if trace else None, **kw)
-        else:
-            _, stats = generate_ar(model, prompt, cfg["max_new_tokens"], **kw)
-        show([], final=True)
-        sys.stdout.write("\n---------------\n")
+    def show(row, tokens, final=False):  # one sample: its text as each pass makes it final
+        piece = streams[row].add(tokens, final)
+        if piece and color and speculative:
+            piece = COLORS[chunk_no[0] % 2] + piece + RESET
+        chunk_no[0] += 1
+        sys.stdout.write(piece)
         sys.stdout.flush()
-        print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {stats.new_tokens} new tokens, "
-              f"{stats.tokens_per_s:.0f} tokens/s, {stats.passes} forward passes, "
-              f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
-        if trace:
-            trace.finish(prompt, out)
-            trace.save(cfg["trace"])
-            print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include "
-                  "recording it)", file=sys.stderr)
 
+    kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"], seed=cfg["seed"],
+              eot=tok.eot, on_tokens=show if n == 1 else None)
+    trace = None
+    if cfg["trace"]:
+        trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree), temperature=cfg["temperature"],
+                      top_k=cfg["top_k"], top_p=cfg["top_p"], prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
+    if n == 1:
+        sys.stdout.write(tok.decode(prompt))
+    prompts = [prompt] * n  # the samples decode as one batch
+    if speculative:
+        outs, stats = generate_speculative(model, prompts, cfg["max_new_tokens"], tree,
+                                           prune_threshold=cfg["prune_threshold"],
+                                           on_pass=trace.on_pass if trace else None, **kw)
+    else:
+        outs, stats = generate_ar(model, prompts, cfg["max_new_tokens"], **kw)
+    for i, out in enumerate(outs):
+        if n == 1:
+            show(0, [], final=True)
+        else:
+            sys.stdout.write(tok.decode(prompt + out))
+        sys.stdout.write("\n---------------\n")
+    sys.stdout.flush()
+    batch = f"{n} samples as one batch: " if n > 1 else ""
+    print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {batch}{stats.new_tokens} new "
+          f"tokens, {stats.tokens_per_s:.0f} tokens/s, {stats.passes} forward passes, "
+          f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
+    if trace:
+        trace.finish(prompt, outs[0])
+        trace.save(cfg["trace"])
+        print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include "
+              "recording it)", file=sys.stderr)
 
 if __name__ == "__main__":
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"

@@ -44,8 +44,14 @@ def run_interleaved(prompts, decoders):
 
 def run_pair(model, prompts, tree, kw):
     """AR and SS on the same prompts, interleaved."""
-    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
-                                     lambda p: generate_speculative(model, p, tree=tree, **kw)])
+    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)])
+
+def speculative(model, tree, kw):
+    """The decoder of a tree: Speculative Streaming, or plain decoding for the tree `none` (None)."""
+    if tree is None:
+        return lambda p: generate_ar(model, p, **kw)
+    return lambda p: generate_speculative(model, p, tree=tree, **kw)
+
 
 
 def repeat_rate(outputs, n=12):
@@ -63,8 +69,14 @@ def repeat_rate(outputs, n=12):
     return repeated / total if total else 0.0
 
 
+def rows_of(results):
+    """The output of every row of (output, Stats) results, a batch's rows one by one."""
+    return [row for out, _ in results for row in (out if out and isinstance(out[0], list) else [out])]
+
+
 def summarize(ar, ss):
-    """The report's metrics from the (tokens, Stats) results of run_pair."""
+    """The report's metrics from the (tokens, Stats) results of run_pair (one per prompt, or
+    per batch of prompts). latency: the mean time until a prompt's output is complete."""
     toks = lambda rs: sum(s.new_tokens for _, s in rs)
     secs = lambda rs: sum(s.seconds for _, s in rs)
     passes = lambda rs: sum(s.passes for _, s in rs)
@@ -72,9 +84,11 @@ def summarize(ar, ss):
     nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
     cr = passes(ar) / passes(ss)
-    match = [a == b for (a, _), (b, _) in zip(ar, ss)]
+    ar_rows, ss_rows = rows_of(ar), rows_of(ss)
+    match = [a == b for a, b in zip(ar_rows, ss_rows)]
     first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-                  for i, ((a, _), (b, _)) in enumerate(zip(ar, ss)) if a != b), None)
+                  for i, (a, b) in enumerate(zip(ar_rows, ss_rows)) if a != b), None)
+    latency = lambda rs: statistics.mean(t for _, s in rs for t in (s.row_seconds or [s.seconds]))
     hist = {}
     for a in accepted:
         hist[a] = hist.get(a, 0) + 1
@@ -83,7 +97,8 @@ def summarize(ar, ss):
                 efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match), first_divergence=first,
                 ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
                 accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss),
-                mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate([a for a, _ in ar]))
+                mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate(ar_rows),
+                ar_latency_s=latency(ar), ss_latency_s=latency(ss))
 
 
 def over_runs(summaries):

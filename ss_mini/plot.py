@@ -12,7 +12,7 @@ FORMATS = (".png", ".svg", ".pdf")
 
 
 def check(path, searched=True):
-    """Before any work: matplotlib is there, the file can be written, and a tree search runs."""
+    """Before any work: matplotlib is there, the file can be written, and there is something to draw."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -35,6 +35,7 @@ def tree_search(rows, best, path, title="", tie_margin=0.0):
     squares joined by a line (one family). Written atomically (temp file, then os.replace)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no window
 
+    rows = [row for row in rows if row[0] != "none"]  # no tree: the autoregressive line
     fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, label in ((axes[0], "speedup", "speedup over autoregressive"),
@@ -72,6 +73,37 @@ def tree_search(rows, best, path, title="", tie_margin=0.0):
     axes[0].legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title, fontsize=10)
+    save(fig, path)
+
+
+def batch_sweep(rows, path, title=""):
+    """Tokens/s of the whole batch against the batch size, plain and speculative decoding
+    (with the tree chosen at each size), both axes logarithmic. rows: bench's sweep rows."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    bs = [r["batch_size"] for r in rows]
+    ax.plot(bs, [r["ar_tokens_per_s"] for r in rows], "o-", color="gray", label="plain (autoregressive)")
+    ax.plot(bs, [r["ss_tokens_per_s"] for r in rows], "s-", color="tab:blue", label="speculative, tree chosen per size")
+    for r in rows:
+        ax.annotate(r["tree"], (r["batch_size"], r["ss_tokens_per_s"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (sequences decoded at once)")
+    ax.set_ylabel("tokens/s, the whole batch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    save(fig, path)
+
+
+def save(fig, path):
+    """Write the figure atomically: a temp file in the target's folder, then os.replace."""
     folder = os.path.dirname(os.path.abspath(path))
     ext = os.path.splitext(path)[1]
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plot-", suffix=ext)

@@ -225,9 +225,12 @@ class BudgetTree(_Tree):
 
 
 def make_tree(spec, n_streams):
-    """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget) or
-    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4)."""
+    """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
+    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4) or 'none'
+    (no tree: plain decoding; None)."""
     spec = str(spec).strip()
+    if spec == "none":
+        return None
     if spec == "chain":
         return CartesianTree([1] * n_streams)
     try:
@@ -235,8 +238,8 @@ def make_tree(spec, n_streams):
             return BudgetTree(int(spec[1:]), n_streams)
         ks = [int(k) for k in spec.split(",")]
     except ValueError:
-        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node budget (e.g. n16) "
-                         "or chain") from None
+        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node budget (e.g. n16), "
+                         "chain or none") from None
     if len(ks) > n_streams:
         raise ValueError(f"--tree={spec} has {len(ks)} depths but the model has {n_streams} streams")
     return CartesianTree(ks)

@@ -16,7 +16,7 @@ from .checkpoint import training_data
 from .cli import UsageError
 from .data import load_split
 from .generate import generate_ar, generate_speculative
-from .measure import run_interleaved, run_pair, summarize, unreliable
+from .measure import run_interleaved, run_pair, speculative, summarize, unreliable
 from .tree import make_tree
 
 
@@ -83,11 +83,10 @@ def tree_search(model, calibration, cfg, kw, log):
     candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
-    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)] +
-                           [lambda p, t=t: generate_speculative(model, p, tree=t, **kw) for t in trees])
+    decoders = lambda kw: [lambda p: generate_ar(model, p, **kw)] + [speculative(model, t, kw) for t in trees]
     run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
     ar, *ss = run_interleaved(calibration, decoders(kw))
-    rows = [(spec, len(t), summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
+    rows = [(spec, len(t) if t else 0, summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
     fastest = max(rows, key=lambda row: row[2]["speedup"])
     near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
     best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
@@ -112,7 +111,7 @@ def choose_tree(model, calibration, cfg, kw, log):
     """The tree to measure: --tree, or the tree search's pick (--tree=auto); then this very
     tree object, whose shapes are built on first use, warms up on the calibration prompts."""
     spec = cfg["tree"]
-    if spec == "auto" or cfg["sweep"]:
+    if spec == "auto" or cfg.get("sweep"):
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
             plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
@@ -122,3 +121,17 @@ def choose_tree(model, calibration, cfg, kw, log):
     tree = make_tree(spec, model.config.n_drafts)
     run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
     return tree
+
+
+def batched(prompts, batch_size):
+    """The prompts as batches of batch_size rows, drawn in turn from the prompt set (at least
+    every prompt once), each row keeping a different number of its last tokens (half to all),
+    so that a batch mixes lengths. batch_size 1: the prompts as they are."""
+    if batch_size == 1:
+        return prompts
+    n = -(-max(len(prompts), batch_size) // batch_size) * batch_size
+    rows = []
+    for i in range(n):
+        p = prompts[i % len(prompts)]
+        rows.append(p[(i * 7) % (len(p) // 2 + 1):])
+    return [rows[i:i + batch_size] for i in range(0, n, batch_size)]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import random_model
 
 from ss_mini.kvcache import KVCache
-from ss_mini.masks import attention_mask, stream_mask, tree_mask
+from ss_mini.masks import attention_mask, attention_window, stream_mask, stream_rows_mask, tree_mask
 from ss_mini.kernels import HEAD_ROWS, Linear
 from ss_mini.model import GPT, GPTConfig
 
@@ -261,13 +261,36 @@ def test_param_report():
     assert random_model(n_streams=0).param_counts() == (base, 0)
 
 
+SLOTS = 128  # the test caches' slots
+
+
+def _pass_mask(cache, parents, n_streams):
+    """A pass's mask over all the cache's slots: its nodes (parent pointers) see the cached prefix,
+    their ancestors and themselves, and n_streams streams of every node (masks.py)."""
+    anc = tree_mask(parents)[None]  # (1, n, n): u's ancestors and u itself
+    window = attention_window(stream_rows_mask(anc, n_streams), SLOTS, torch.float64)
+    return cache.mask(window)
+
+
 def _prefill(model, tokens):
-    cache = KVCache(model.config, 128, dtype=torch.float64)
+    """A cache holding tokens, the main logits (1, n, V) and draft logits (1, n, g, V) of all of them."""
+    cache = KVCache(model.config, SLOTS, dtype=torch.float64)
     n = len(tokens)
-    mask = attention_mask(np.arange(n) - 1, model.config.n_streams, dtype=torch.float64)
-    main, hidden, _ = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask, cache=cache)
-    cache.accept(n)
-    return cache, main, model.draft_logits(hidden)
+    mask = _pass_mask(cache, np.arange(n) - 1, model.config.n_streams)
+    main, draft_logits = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask, cache=cache)
+    cache.advance(torch.tensor([n]))
+    return cache, main, draft_logits
+
+
+def _one_and_two_head_calls(monkeypatch, run):
+    """run() twice: with the main and stream rows in one LM head call (a small pass, kernels.HEAD_ROWS)
+    and with them in two calls (main rows, then stream rows) as a large pass makes them."""
+    import ss_mini.model
+    one = run()
+    monkeypatch.setattr(ss_mini.model, "HEAD_ROWS", 0)
+    two = run()
+    monkeypatch.undo()
+    return one, two
 
 
 def test_attention_mask_joins_main_and_stream_rows():
@@ -281,19 +304,25 @@ def test_attention_mask_joins_main_and_stream_rows():
     assert torch.equal(attention_mask(parents, 2, stream_idx=[]), tree_mask(parents))
 
 
-def test_incremental_decoding_equals_full_forward():
+def test_incremental_decoding_equals_full_forward(monkeypatch):
     model = random_model(std=0.3)
     tokens = torch.randint(0, 11, (20,)).tolist()
     full_main, full_streams, _ = model(torch.tensor([tokens]))
     cache, main, streams = _prefill(model, tokens[:5])
     torch.testing.assert_close(main, full_main[:, :5], rtol=0, atol=1e-10)
+    torch.testing.assert_close(streams, full_streams[:, :5], rtol=0, atol=1e-10)
     for t in range(5, 20):
-        m, h, pass_draft_logits = model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache=cache)
-        cache.accept(1)
+        mask = _pass_mask(cache, [-1], model.config.n_streams)  # one node: the prefix, itself, its streams
+        # the pass's draft logits from the main row's LM head call (a one-node pass is small), and from
+        # a head call of their own, as a large pass makes it: the same values
+        (m, d), (m2, d2) = _one_and_two_head_calls(
+            monkeypatch, lambda: model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), mask, cache=cache))
+        cache.advance(torch.tensor([1]))
         torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
-        torch.testing.assert_close(model.draft_logits(h[0, 0]), full_streams[0, t], rtol=0, atol=1e-10)
-        # a one-node pass: its draft logits come from the main row's LM head call, the same values
-        torch.testing.assert_close(pass_draft_logits[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
+        torch.testing.assert_close(d[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
+        torch.testing.assert_close(m2, m, rtol=0, atol=1e-10)
+        torch.testing.assert_close(d2, d, rtol=0, atol=1e-10)
+    assert cache.length.tolist() == [20]
 
 
 def test_a_pass_runs_the_first_streams_only():
@@ -302,17 +331,17 @@ def test_a_pass_runs_the_first_streams_only():
     model = random_model(std=0.3)
     cache, _, _ = _prefill(model, [1, 2, 3, 4, 5])
     parents, L, tokens = [-1, 0, 0, 1], cache.length, torch.tensor([[6, 7, 8, 9]])
-    pos = torch.tensor([0, 1, 1, 2]) + L
-    main, hidden, _ = model.forward_nodes(tokens, pos, attention_mask(parents, 3, L, dtype=torch.float64), cache=cache)
+    pos = torch.tensor([[0, 1, 1, 2]]) + L[:, None]
+    main, drafts = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, 3), cache=cache)
+    assert drafts.shape == (1, 4, 3, 11)
     for g in (1, 2):
-        m, h, _ = model.forward_nodes(tokens, pos, attention_mask(parents, g, L, dtype=torch.float64), cache=cache,
-                                   n_drafts=g)
-        assert h.shape[-2] == g
+        m, d = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, g), cache=cache, n_drafts=g)
+        assert d.shape == (1, 4, g, 11)
         torch.testing.assert_close(m, main, rtol=0, atol=1e-10)
-        torch.testing.assert_close(model.draft_logits(h), model.draft_logits(hidden)[..., :g, :], rtol=0, atol=1e-10)
+        torch.testing.assert_close(d, drafts[..., :g, :], rtol=0, atol=1e-10)
 
 
-def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
+def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch):
     model = random_model(std=0.3)
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, 11, (6,), generator=gen).tolist()
@@ -325,12 +354,14 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
             depths[i] = depths[parents[i]] + 1
         tokens = torch.randint(0, 11, (n,), generator=gen).tolist()
         L = cache.length
-        mask = attention_mask(parents, model.config.n_streams, L, dtype=torch.float64)
-        main, hidden, pass_draft_logits = model.forward_nodes(torch.tensor([tokens]), torch.tensor(depths) + L, mask,
-                                                              cache=cache)
-        streams = model.draft_logits(hidden)
+        mask = _pass_mask(cache, parents, model.config.n_streams)
         assert n * (1 + model.config.n_streams) <= HEAD_ROWS  # small: all draft logits in one head call
-        torch.testing.assert_close(pass_draft_logits, streams, rtol=0, atol=1e-10)
+        # ... and the same logits when main and stream rows go through the head separately (a large pass)
+        (main, streams), (main2, streams2) = _one_and_two_head_calls(
+            monkeypatch, lambda: model.forward_nodes(torch.tensor([tokens]), torch.tensor([depths]) + L[:, None], mask,
+                                                     cache=cache))
+        torch.testing.assert_close(main2, main, rtol=0, atol=1e-10)
+        torch.testing.assert_close(streams2, streams, rtol=0, atol=1e-10)
         for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
             path, v = [], u
             while v >= 0:
@@ -346,10 +377,10 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
             path.append(v)
             v = parents[v]
         path = sorted(path)
-        cache.accept(path)
+        cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
         ctx = ctx + [tokens[v] for v in path]
         fresh, _, _ = _prefill(model, ctx)
-        assert cache.length == fresh.length == len(ctx)
+        assert cache.length.tolist() == fresh.length.tolist() == [len(ctx)]
         torch.testing.assert_close(cache.kv[..., :len(ctx), :], fresh.kv[..., :len(ctx), :], rtol=0, atol=1e-10)
 
 

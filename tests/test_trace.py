@@ -206,7 +206,7 @@ def test_sample_trace_writes_the_page(tiny_ckpt, tmp_path, capsys):
     path = tmp_path / "trace.html"
     path.write_text("an older trace")
     sample.main([f"--out_dir={tiny_ckpt}", "--speculative", "--tree=3,2,1", "--max_new_tokens=30", "--start=def ",
-                 "--num_samples=2", f"--trace={path}", "--device=cpu"])
+                 f"--trace={path}", "--device=cpu"])
     page = path.read_text()
     data = json.loads(re.search(r"const DATA = (.*?);\n", page).group(1))
     assert data["prompt"] == "def " and len(data["output"]) == 30 and data["passes"]

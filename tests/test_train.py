@@ -136,7 +136,7 @@ def test_sample_cli(tiny_ckpt, tmp_path):
     samples = r.stdout.split("\n---------------\n")
     assert len(samples) == 3 and samples[0].startswith("def ") and samples[1].startswith("def ")
     assert "\033[" not in r.stdout  # not a terminal: no colour
-    assert r.stderr.count("tokens per pass") == 2 and "forward passes" in r.stderr
+    assert r.stderr.count("tokens per pass") == 1 and "2 samples as one batch" in r.stderr
     plain = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=def ", "--max_new_tokens=40", "--num_samples=2",
                 "--temperature=0")
     assert plain.stdout == r.stdout  # greedy: the same text with and without speculation

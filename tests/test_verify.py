@@ -6,7 +6,6 @@ from conftest import random_model
 
 from ss_mini.distill import greedy_continuation
 from ss_mini.generate import Sampler, generate_speculative
-import ss_mini.tree as tree_module
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree
 
 
@@ -66,18 +65,20 @@ def test_vectorised_verify_is_the_reference_rule(tree, kw):
     t = make_tree(tree, 3).bind(config, "cpu", torch.float64)
     for seed in range(25):
         main_logits, draft_logits = _random_logits(seed, config.vocab_size, ties)
-        draft_logits = draft_logits[:t.n_drafts]
+        draft_logits = draft_logits[None, :t.n_drafts]  # a batch of one row, as speculative_step drafts it
         sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), seed, "cpu")
         ranked, draft_probs = sampler.draft(draft_logits, t.width)
-        shape = t.shape(draft_logits, max_depth=3)
-        p = sampler.probs(main_logits[:shape.n_nodes])
+        shape = t.shape(draft_logits, draft_probs, max_depth=torch.tensor([3]))
+        n = shape.n_nodes
+        p = sampler.probs(main_logits[:n])
         state = sampler.gen.get_state()
-        ys = sampler.verify(main_logits[:shape.n_nodes], draft_probs, ranked, shape)
+        ys = sampler.verify(main_logits[None, :n], draft_probs, ranked, shape)
+        assert ys.shape == (1, n)
         sampler.gen.set_state(state)  # the same uniforms, in the order verify draws them
-        u = torch.rand((shape.n_nodes, t.width), generator=sampler.gen, dtype=p.dtype)
+        u = torch.rand((n, t.width), generator=sampler.gen, dtype=p.dtype)
         race_u = torch.empty_like(p).uniform_(generator=sampler.gen)
-        ref = verify_reference(p, draft_probs, ranked, shape, u, race_u)
-        assert ys.tolist() == ref.tolist(), (seed, ys.tolist(), ref.tolist())
+        ref = verify_reference(p, draft_probs[0], ranked[0], shape.host(), u, race_u)
+        assert ys[0].tolist() == ref.tolist(), (seed, ys.tolist(), ref.tolist())
 
 
 def test_a_residual_that_underflows_falls_back_to_the_target(monkeypatch):
@@ -118,14 +119,36 @@ def test_greedy_continuation_ignores_dropout():
     torch.testing.assert_close(got, want)
 
 
-def test_the_tree_shape_cache_is_bounded_in_bytes(monkeypatch):
-    """A budget tree meets a new shape for many drafts; the masks it keeps stay under a byte bound."""
-    monkeypatch.setattr(tree_module, "SHAPE_CACHE_BYTES", 20_000)
+def test_what_a_tree_keeps_is_bounded_in_bytes():
+    """A budget tree meets a new shape for many drafts, in every row of a batch; what it keeps
+    between steps (its template, and a Cartesian tree's one shape per batch size) stays under a
+    byte bound and does not grow with the shapes it has made."""
+    def held(obj, seen=None):
+        """Bytes of the tensors an object keeps in its attributes (and theirs), each counted once."""
+        seen = set() if seen is None else seen
+        total = 0
+        for v in (vars(obj).values() if hasattr(obj, "__dict__") else obj.values() if isinstance(obj, dict)
+                  else obj if isinstance(obj, (list, tuple)) else []):
+            if isinstance(v, torch.Tensor):
+                if v.data_ptr() not in seen:
+                    seen.add(v.data_ptr())
+                    total += v.untyped_storage().nbytes()
+            elif hasattr(v, "__dict__") or isinstance(v, (dict, list, tuple)):
+                total += held(v, seen)
+        return total
+
     config = random_model().config
-    t = BudgetTree(8, 3).bind(config, "cpu", torch.float32)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        t.shape(torch.randn(3, config.vocab_size, generator=gen) * 3, max_depth=3)
-        held = sum(s.full_mask.numel() * s.full_mask.element_size() for s in t._shapes.values())
-        assert held <= 20_000
-    assert len(t._shapes) >= 1
+    for t in (BudgetTree(8, 3), CartesianTree([2, 2, 1])):
+        t.bind(config, "cpu", torch.float32)
+        bound = held(t) if isinstance(t, BudgetTree) else None  # a budget tree keeps its template only
+        t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, max_depth=torch.tensor([3, 2, 1]))
+        first = held(t)
+        for _ in range(200):
+            shape = t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, max_depth=torch.tensor([3, 2, 1]))
+            assert shape.n_nodes == len(t)
+            assert held(t) == first, (t, held(t), first)
+        if bound is not None:
+            assert first == bound <= 20_000, (t, first, bound)
+        else:  # the one shape of a batch of 3 rows
+            assert list(t._fixed) == [3]

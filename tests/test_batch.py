@@ -1,0 +1,118 @@
+"""Batches: every row of a batched decode is that prompt decoded alone; sampling stays exact per
+row; the per-row cache compaction; bad input."""
+import pytest
+import torch
+from conftest import random_model
+from test_generate import SAMPLING, _chi_square_ok, _exact_first_tokens
+
+from ss_mini import generate
+from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.kvcache import KVCache
+from ss_mini.tree import make_tree
+
+
+def _prompts(seed, B, vocab=11):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 24, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(B)]
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "2,2", "n8", "n16"])
+@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)], ids=["streams", "medusa"])
+def test_every_row_of_a_batch_is_its_prompt_decoded_alone(spec, drafter):
+    """B up to 8, prompts of 1 to 23 tokens, 70 new tokens (past block_size 32: rows slide their
+    windows at different steps), an end-of-text that ends some rows early: both decoders, greedy,
+    float64, token for token."""
+    model = random_model(seed=7, std=0.4, **drafter)
+    tree = make_tree(spec, 3)
+    for seed, B in ((0, 2), (1, 5), (2, 8)):
+        prompts = _prompts(seed, B)
+        alone = [generate_ar(model, p, 70)[0] for p in prompts]
+        eot = alone[0][len(alone[0]) // 2]  # a token some rows emit, so that they stop there
+        alone_eot = [generate_ar(model, p, 70, eot=eot)[0] for p in prompts]
+        for kw, want in ((dict(), alone), (dict(eot=eot), alone_eot)):
+            ar, _ = generate_ar(model, prompts, 70, **kw)
+            ss, stats = generate_speculative(model, prompts, 70, tree, **kw)
+            assert ar == want and ss == want, (spec, seed, kw)
+            if not kw and drafter.get("n_streams"):  # rows accepted different numbers of tokens in the same passes
+                assert len(set(stats.accepted)) > 1
+        assert any(len(o) < 70 for o in alone_eot)  # some rows end at end-of-text
+
+
+def test_a_batch_of_one_is_the_single_prompt_api():
+    model = random_model(seed=3, std=0.4)
+    tree = make_tree("2,1,1", 3)
+    single, s1 = generate_speculative(model, [1, 2, 3], 40, tree)
+    batch, s2 = generate_speculative(model, [[1, 2, 3]], 40, tree)
+    assert batch == [single] and s1.passes == s2.passes and s1.accepted == s2.accepted
+
+
+@pytest.mark.parametrize("spec, kw", [("3,2", SAMPLING[0]), ("n6", SAMPLING[1]), ("1,1", SAMPLING[2])])
+def test_sampling_is_lossless_in_every_row_of_a_batch(spec, kw):
+    """Four rows of the same prompt, one generator for the batch: each row's first three tokens
+    follow the exact distribution (by enumeration), row by row."""
+    model = random_model(seed=1, std=0.5, vocab_size=4, n_streams=2, block_size=16)
+    prompt, k, n = [1, 2], 3, 400
+    probs = _exact_first_tokens(model, prompt, k, **kw)
+    counts = [{} for _ in range(4)]
+    for i in range(n):
+        outs, _ = generate_speculative(model, [prompt] * 4, k, make_tree(spec, 2), seed=i, **kw)
+        for row, out in zip(counts, outs):
+            row[tuple(out)] = row.get(tuple(out), 0) + 1
+    for row in counts:
+        assert not [seq for seq in row if probs[seq] == 0]
+        ok, stat, crit = _chi_square_ok(row, probs, n)
+        assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
+
+
+def test_compaction_keeps_each_rows_own_path():
+    """KVCache.accept against a reference that keeps each row's cache on its own: rows of
+    different lengths accept different paths of different lengths in one call."""
+    model = random_model()
+    cfg, gen = model.config, torch.Generator().manual_seed(0)
+    cache = KVCache(cfg, 40, batch_size=3, dtype=torch.float64)
+    cache.kv.normal_(generator=gen)
+    cache.advance(torch.tensor([5, 0, 17]))
+    ref = [cache.kv[:, :, b].clone() for b in range(3)]  # (n_layer, 2, H, S, hd) per row
+    path = torch.tensor([[0, 2, 5, 5], [0, 1, 3, 4], [0, 0, 0, 0]])  # padded past each row's accepted length
+    accepted = torch.tensor([3, 4, 1])
+    lengths = cache.length.tolist()
+    cache.accept(path, accepted)
+    for b in range(3):
+        L, a = lengths[b], int(accepted[b])
+        want = ref[b].clone()
+        want[..., L:L + a, :] = ref[b][..., [L + int(u) for u in path[b, :a]], :]
+        torch.testing.assert_close(cache.kv[:, :, b, :, :L + a], want[..., :L + a, :], rtol=0, atol=0)
+    assert cache.length.tolist() == [8, 4, 18]
+
+
+def test_rows_that_finish_leave_the_batch(monkeypatch):
+    """A row that is done costs no more compute: its cache row is dropped."""
+    model = random_model(seed=4, std=0.4)
+    sizes = []
+    step = generate.speculative_step
+
+    def spy(model, cache, *args, **kw):
+        sizes.append(cache.kv.shape[2])
+        return step(model, cache, *args, **kw)
+    monkeypatch.setattr(generate, "speculative_step", spy)
+    prompts = [[1], [2, 3], [4]]
+    eot = generate_ar(model, prompts[0], 40)[0][3]  # the first row ends after 3 tokens, others later or never
+    ar = [generate_ar(model, p, 40, eot=eot)[0] for p in prompts]
+    outs, _ = generate_speculative(model, prompts, 40, make_tree("1,1", 3), eot=eot)
+    assert outs == ar and len(ar[0]) == 3 and max(map(len, ar)) > 3
+    assert sizes[0] == 3 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 3
+
+
+def test_bad_batches_are_one_line_errors(monkeypatch):
+    model = random_model()
+    tree = make_tree("1,1", 3)
+    with pytest.raises(ValueError, match="prompt 1 of the batch"):
+        generate_ar(model, [[1, 2], [], [3]], 5)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_speculative(model, [], 5, tree)
+    monkeypatch.setattr(generate, "_free_memory", lambda device: 1 << 20)  # 1 MiB free
+    with pytest.raises(ValueError, match=r"a batch of 4000 rows needs a KV cache of .* GiB"):
+        generate_speculative(model, [[1]] * 4000, 5, tree)
+    with pytest.raises(ValueError, match="one prompt"):
+        generate_speculative(model, [[1], [2]], 5, tree, on_pass=lambda step: None)
