@@ -76,13 +76,13 @@ def target_probs(logits, temperature=1.0, top_k=None, top_p=None):
     return probs
 
 
-def _race(weights, gen):
-    """Keys of the exponential race, log(U) / w = -E / w with E = -log U ~ Exp(1) drawn per entry:
+def _race(weights, u):
+    """Keys of the exponential race, log(U) / w = -E / w with E = -log U ~ Exp(1) for uniform U (u):
     their argmax is a draw from the weights w (normalised or not), their top k in order a draw
     of k without replacement (Gumbel-top-k), and a token of weight 0 gets -inf, never drawn
     while another can be; no host sync (gpt-fast samples so). E comes as -log U because
     uniform_ and log_ are cheaper than exponential_ on a CPU (docs/step-cost.md)."""
-    return torch.empty_like(weights).uniform_(generator=gen).log_() / weights
+    return u.log() / weights
 
 
 class Sampler:
@@ -105,7 +105,7 @@ class Sampler:
     method stays lossless, and a draft is accepted with probability about 1 - TV(p, q)
     instead of p(x). A tree's shape must not depend on the sampled tokens, only on q
     (tree.py): a shape chosen by the sample would bias it. All draws come from one
-    generator, in bulk, on the device.
+    generator, in bulk, on the device (`uniform`).
     """
 
     def __init__(self, temperature, top_k, top_p, seed, device):
@@ -114,12 +114,27 @@ class Sampler:
         if temperature > 0:
             self.gen = torch.Generator(device=device)
             self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.drawn = {}  # uniforms drawn ahead of a compiled step, by use
+
+    def uniform(self, use, like):
+        """Uniform draws shaped like `like` for one use in a step ('pick', 'draft', 'verify',
+        'residual'): drawn now, or taken from `draw_ahead`."""
+        u = self.drawn.pop(use, None)
+        return torch.rand(like.shape, generator=self.gen, device=like.device) if u is None else u
+
+    def draw_ahead(self, **shapes):
+        """The draws of the next step, made before it: a compiled step cannot call the generator."""
+        if self.gen is not None:
+            self.drawn = {use: torch.rand(shape, generator=self.gen, device=self.gen.device) for use, shape in shapes.items()}
 
     def probs(self, logits):
         return target_probs(logits, self.temperature, self.top_k, self.top_p)
 
     def pick(self, logits):  # (..., V) -> (...)
-        return logits.argmax(-1) if self.gen is None else _race(self.probs(logits), self.gen).argmax(-1)
+        if self.gen is None:
+            return logits.argmax(-1)
+        p = self.probs(logits)
+        return _race(p, self.uniform("pick", p)).argmax(-1)
 
     def draft(self, draft_logits, width):
         """(ranked candidates (..., depths, width), draft probabilities (..., depths, V) or None
@@ -127,7 +142,7 @@ class Sampler:
         if self.gen is None:
             return torch.topk(draft_logits, width, dim=-1).indices, None
         draft_probs = self.probs(draft_logits)
-        return torch.topk(_race(draft_probs, self.gen), width, dim=-1).indices, draft_probs
+        return torch.topk(_race(draft_probs, self.uniform("draft", draft_probs)), width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape):
         """The token the target emits at each node (..., n_nodes): argmax, or speculative
@@ -150,7 +165,7 @@ class Sampler:
         tries = shape.tries.expand(cand.shape).reshape(-1, cand.shape[-1])
         cand = cand.reshape(-1, cand.shape[-1])
         p = p_target = self.probs(main_logits).reshape(-1, V)
-        u = torch.rand(cand.shape, generator=self.gen, device=cand.device, dtype=p.dtype)
+        u = self.uniform("verify", cand)
         ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
@@ -163,19 +178,35 @@ class Sampler:
                 q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
         # none accepted: draw from the residual; where p ~ q made it underflow to all zeros, from p itself
         p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
-        ys = torch.where(ys >= 0, ys, _race(p, self.gen).argmax(-1, keepdim=True))
+        ys = torch.where(ys >= 0, ys, _race(p, self.uniform("residual", p)).argmax(-1, keepdim=True))
         return ys.view(main_logits.shape[:-1])
 
 
 def compiled(model):
-    """The same model (shared weights) with its forward pass compiled by torch.compile, for
-    both decoders. Dynamic shapes: the prefill's length and the batch size vary, so after the
-    first few passes one graph per kind of pass (prefill, one token, tree) serves them all.
-    The first generations pay the compilation (about a minute on a CPU); `bench.py
-    --compile=True` measures it against eager in the same run."""
+    """The same model (shared weights) whose decoders run each step compiled whole: forward,
+    verify and accept as one graph (torch.compile, fullgraph=True; the prefill stays eager).
+    The step's shapes do not change from step to step, so a graph serves every step of a tree
+    and a batch size: CUDA replays it as a CUDA graph (mode="reduce-overhead"); a CPU runs
+    inductor's C++ wrapper, which leaves less Python around the kernels; MPS decodes eagerly.
+    The first steps pay the compilation (seconds per tree and batch size on a CPU; bench.py
+    prints it)."""
     fast = copy.copy(model)  # a second view: the eager model stays usable beside it
-    fast.forward_nodes = torch.compile(model.forward_nodes, dynamic=True)
+    fast.compile_steps = True
     return fast
+
+
+_COMPILED = {}
+
+
+def _step(model, step):
+    """`step` (ar_step or speculative_step) as the decoders run it: compiled for a `compiled` model."""
+    device = model.lm_head.weight.device.type
+    if not getattr(model, "compile_steps", False) or device == "mps":
+        return step
+    if (step, device) not in _COMPILED:
+        how = dict(mode="reduce-overhead") if device == "cuda" else dict(options={"cpp_wrapper": True})
+        _COMPILED[step, device] = torch.compile(step, fullgraph=True, **how)
+    return _COMPILED[step, device]
 
 
 def _prepare(model, prompts, max_new_tokens, cache_slots):
@@ -231,14 +262,16 @@ def _prefill(model, ctxs, n_drafts, cache_slots):
     main_logits, draft_logits = model.forward_nodes(idx, torch.arange(n, device=w.device), cache.mask(window),
                                                     cache=cache, stream_idx=last, n_drafts=n_drafts, main_idx=last)
     cache.advance(last[:, 0] + 1)
-    return cache, main_logits[:, 0], (draft_logits[:, 0] if draft_logits is not None else None)
+    return cache, main_logits[:, 0], (draft_logits[:, 0].contiguous() if draft_logits is not None else None)
 
 
 class Batch:
     """The rows being decoded, as both decoders share them: each row's context and output on
     the host, its cache row, its root and drafts on the device. Rows that finish (end-of-text,
     max_new_tokens) leave, with their cache rows; a row whose cache is full rebuilds it from its
-    last block_size // 2 tokens (the sliding window of one sequence, row by row)."""
+    last block_size // 2 tokens (the sliding window of one sequence, row by row). With compiled
+    steps a finished row rides along, its tokens dropped, until half the batch is done: each new
+    batch size is a new graph, so the batch shrinks by halves (`_step`)."""
 
     def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, n_drafts, cache_slots, stats):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
@@ -250,18 +283,21 @@ class Batch:
         self.out_root = [None] * len(prompts)  # each row's root: the last token it emitted, cached by the next pass
         self.cache, self.first_logits, self.drafts = _prefill(model, self.ctx, n_drafts, cache_slots)
         self.roots = None  # the same roots on the device
+        self.done = set()  # prompts whose output is complete (rows that still ride along: compiled steps)
+        self.by_halves = getattr(model, "compile_steps", False)
         stats.passes, stats.row_seconds = 1, [0.0] * len(prompts)
 
     def emit(self, new, cached=True):
         """Each row's new tokens (a list per row: a pass's accepted drafts and the next root); the
         pass cached the previous root and the drafts (cached=False: the prefill's first root).
-        Rows that finish leave the batch, full caches are rebuilt. Returns False when no row is left."""
-        keep = []
+        Rows that finish leave the batch, full caches are rebuilt. Returns False when every output is complete."""
         for i, (b, toks) in enumerate(zip(self.rows, new)):
             if cached:
                 self.ctx[b] += [self.out_root[i]] + toks[:-1]
                 self.lengths[i] += len(toks)
             self.out_root[i] = toks[-1]
+            if b in self.done:
+                continue
             out = self.out[b]
             if self.eot in toks:
                 toks = toks[:toks.index(self.eot) + 1]
@@ -274,8 +310,10 @@ class Batch:
                 self.on_tokens(b, shown)
             if (out and out[-1] == self.eot) or len(out) >= self.max_new:
                 self.stats.row_seconds[b] = time.perf_counter() - self.t0
-            else:
-                keep.append(i)
+                self.done.add(b)
+        keep = [i for i, b in enumerate(self.rows) if b not in self.done]
+        if self.by_halves and keep and 2 * len(keep) > len(self.rows):
+            keep = list(range(len(self.rows)))  # finished rows ride along until half the batch is done
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.long, device=self.cache.length.device)
             self.cache.keep_rows(index)
@@ -296,7 +334,7 @@ class Batch:
             if drafts is not None:
                 self.drafts[index] = drafts
             self.stats.passes += 1
-        return bool(self.rows)
+        return len(self.done) < len(self.out)
 
     def finish(self, single):
         outs = [o[:-1] if o and o[-1] == self.eot else o for o in self.out]
@@ -334,8 +372,10 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     window = ar_window(rows.cache)
     rows.roots = sampler.pick(rows.first_logits)
     go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
+    step, V = _step(model, ar_step), model.config.vocab_size
     while go:
-        rows.roots = ar_step(model, rows.cache, rows.roots, sampler, window)
+        sampler.draw_ahead(pick=(len(rows.rows), V))
+        rows.roots = step(model, rows.cache, rows.roots, sampler, window)
         rows.stats.passes += 1
         go = rows.emit([[t] for t in rows.roots.tolist()])  # the one host sync per step
     return rows.finish(single)
@@ -423,9 +463,12 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.n_drafts, tree.max_len, Stats())
     rows.roots = sampler.pick(rows.first_logits)
     go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
+    one_step, V, n, D = _step(model, speculative_step), cfg.vocab_size, len(tree), tree.n_drafts
     while go:
+        B = len(rows.rows)
+        sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
         L, draft_logits = rows.lengths[0], rows.drafts
-        emitted, rows.roots, rows.drafts, step = speculative_step(
+        emitted, rows.roots, rows.drafts, step = one_step(
             model, rows.cache, rows.roots, draft_logits, tree, sampler, T - 1 - rows.cache.length, prune_threshold)
         emitted = emitted.tolist()  # the one host sync per step
         rows.stats.passes += 1

@@ -97,8 +97,11 @@ def record(step, decode):
     nodes = []
     for u in range(drafted.n_nodes):
         p = drafted.parents[u]
+        # rejected: the main stream emitted another token at its parent. A child of the path that
+        # carries the token emitted there and was not accepted lies past the block's end (a fixed
+        # shape keeps such nodes; a pass never accepts them): the pass could not reach it
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
-                  else "rejected" if p in on_path else "unreached")
+                  else "rejected" if p in on_path and tokens[u] != emitted[p] else "unreached")
         nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u], parent=p,
                           rank=drafted.ranks[u], q_prob=q_prob[u], emitted=emitted[u],
                           emitted_text=None if emitted[u] is None else decode([emitted[u]]), status=status))
@@ -124,7 +127,8 @@ def summary(passes):
     for p in passes:
         nodes, path = p["nodes"], p["path"]
         for d, u in enumerate(path, 1):  # u is at depth d - 1
-            if any(n["parent"] == u and n["status"] != "pruned" for n in nodes):
+            # a child that could be accepted: not pruned, not past the block's end (unreached)
+            if any(n["parent"] == u and n["status"] in ("accepted", "rejected") for n in nodes):
                 tried[d] = tried.get(d, 0) + 1
                 reached[d] = reached.get(d, 0) + (d < len(path))
     return dict(passes=len(passes), tau=sum(lengths) / len(lengths) if lengths else 0.0,

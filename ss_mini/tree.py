@@ -52,7 +52,7 @@ class TreeShape:
     def __init__(self, template, sel, n_streams, max_len, width):
         t = template
         B, n = sel.shape
-        self.n_nodes, self.width = n, width
+        self.n_rows, self.n_nodes, self.width = B, n, width
         self.sel = sel  # which template nodes: (B, n), ascending, so a parent comes before its children
         self.row = torch.arange(B, device=sel.device)
         self.depth, self.rank = t.depth[sel], t.rank[sel]
@@ -138,7 +138,7 @@ class _Tree:
             self.max_len = config.block_size + len(self) * (1 + n_drafts)  # the cache: accepted + a pass's rows
             self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
             self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
-            self._fixed = {}  # a Cartesian tree's one shape, per batch size
+            self._fixed = None  # a Cartesian tree's one shape, for the last batch size
         return self
 
     def __len__(self):
@@ -174,11 +174,11 @@ class CartesianTree(_Tree):
     def shape(self, draft_logits, draft_probs=None, max_depth=None):
         """The fixed shape, the same for every row and every step (built once per batch size)."""
         B = draft_logits.shape[0]
-        if B not in self._fixed:
+        if self._fixed is None or self._fixed.n_rows != B:
             t = self.template
             sel = torch.arange(t.size, device=t.depth.device).expand(B, -1)
-            self._fixed[B] = TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
-        return self._fixed[B]
+            self._fixed = TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
+        return self._fixed
 
     def __repr__(self):
         return ",".join(map(str, self.ks))

@@ -58,19 +58,21 @@ def test_compiled_decoders_match_eager():
 
 
 def _draft(tree, root, q, max_depth, vocab_size):
-    """The tokens and shape of a greedy tree draft, as speculative_step builds them."""
+    """The tokens and shape (one row's, on the host) of a greedy tree draft, as speculative_step
+    builds them: q (depths, V) the draft logits of one row."""
     cfg = GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=16, vocab_size=vocab_size, n_streams=3, n_msa_layers=1)
     tree.bind(cfg, "cpu", torch.float32)
-    shape = tree.shape(q, max_depth)
-    ranked = torch.topk(q, tree.width, dim=-1).indices
-    return shape.tokens(torch.tensor([root]), ranked).tolist(), shape
+    shape = tree.shape(q[None], None, torch.tensor([max_depth]))
+    ranked = torch.topk(q[None], tree.width, dim=-1).indices
+    tokens = torch.cat([torch.tensor([[root]]), ranked.flatten(1).gather(1, shape.gather)], dim=1)
+    return tokens[0].tolist(), shape.host()
 
 
 def test_budget_tree_is_best_first_and_holds_top1_chain():
     q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6], [0.5, 0.3, 0.1, 0.1]]))
     tokens, shape = _draft(BudgetTree(6, 3), 7, q, 3, 4)
     parents, depths, children = shape.parents, shape.depths, shape.children
-    assert tokens[0] == 7 and parents[0] == -1
+    assert tokens[0] == 7 and parents[0] == -1 and shape.n_nodes == 6
     chain = [0]
     for d in range(3):
         chain.append(next(c for c in children[chain[-1]] if tokens[c] == [0, 0, 0][d]))
@@ -86,7 +88,12 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
     assert sorted(scores, reverse=True) == [0.5, 0.45, 0.3, 0.27, 0.225]
     assert all(parents[i] < i for i in range(1, 6))
     assert all(shape.ranks[c] == r for ch in children for r, c in enumerate(ch))  # children hold ranks 0..m-1
-    assert _draft(BudgetTree(9, 3), 1, q, 1, 4)[1].depths == [0, 1, 1, 1, 1]  # depth cut; 4 tokens in the vocabulary
+    # depth cut at 1 (4 tokens in the vocabulary): a budget tree always holds n nodes, and the nodes a
+    # row may accept come first: the root and every candidate of depth 1; the others are deeper
+    tokens, cut = _draft(BudgetTree(9, 3), 1, q, 1, 4)
+    assert cut.n_nodes == 9 and all(cut.parents[i] < i for i in range(1, 9))
+    assert sorted(d for d in cut.depths if d <= 1) == [0, 1, 1, 1, 1]
+    assert sorted(tokens[u] for u in range(9) if cut.depths[u] == 1) == [0, 1, 2, 3]
 
 
 def test_cartesian_tree_shape():
@@ -96,11 +103,15 @@ def test_cartesian_tree_shape():
     tokens, shape = _draft(t, 5, q, 3, 11)
     assert shape.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
     assert all(shape.parents[i] < i for i in range(1, len(t)))
+    # max_depth 2 does not cut the shape (it is fixed: nodes deeper are never accepted); the nodes
+    # of depth <= 2 are its first 10
     tokens, shape = _draft(t, 5, q, 2, 11)
-    assert shape.n_nodes == 10 and tokens[0] == 5
+    assert shape.n_nodes == 16 and tokens[0] == 5
+    assert [u for u in range(16) if shape.depths[u] <= 2] == list(range(10))
     top = torch.topk(q, 3).indices
     assert tokens[1:4] == top[0].tolist()
     assert tokens[4:10] == top[1, :2].tolist() * 3
+    assert tokens[10:16] == top[2, :1].tolist() * 6
     with pytest.raises(ValueError):
         make_tree("1,1,1,1", 3)
     with pytest.raises(ValueError):
@@ -115,7 +126,9 @@ def test_a_tree_runs_as_many_streams_as_it_is_deep():
              for spec in ("2,1", "3,2,1", "chain", "n1", "n2", "n4", "n5", "n16")}
     assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
-    assert tree.shape(torch.randn(2, 11), 9).full_mask.shape[0] == 5 * (1 + 2)  # 5 main rows, 2 streams each
+    shape = tree.shape(torch.randn(1, 2, 11), max_depth=torch.tensor([9]))
+    assert shape.window.shape[1] == 5 * (1 + 2)  # 5 main rows, 2 streams each
+    assert shape.host().mask(3).shape == (5 * (1 + 2), 3 + 5 * (1 + 2))
 
 
 def _exact_first_tokens(model, prompt, k, **kw):
@@ -215,16 +228,14 @@ def test_ar_sampling_is_exact(kw):
 
 
 def _rig_drafts(monkeypatch, model, rig):
-    """The streams' logits replaced by rig(logits) wherever a pass computes them: after verify
-    (GPT.draft_logits) or in a small pass's one LM head call (GPT.forward_top)."""
-    draft_logits, top = model.draft_logits, model.forward_top
+    """The drafter's logits replaced by rig(logits) wherever a pass computes them: the second
+    output of GPT.forward_top (the prefill's, every tree pass's, a pruned pass's)."""
+    top = model.forward_top
 
     def forward_top(*args, **kwargs):
-        main_logits, draft_hidden, pass_draft_logits = top(*args, **kwargs)
-        return main_logits, draft_hidden, pass_draft_logits if pass_draft_logits is None else rig(
-            pass_draft_logits)
+        main_logits, draft_logits = top(*args, **kwargs)
+        return main_logits, draft_logits if draft_logits is None else rig(draft_logits)
 
-    monkeypatch.setattr(model, "draft_logits", lambda h: rig(draft_logits(h)))
     monkeypatch.setattr(model, "forward_top", forward_top)
 
 
@@ -351,36 +362,37 @@ def test_tree_pruning(spec):
 
 def test_pruning_keeps_the_cache_consistent():
     """After a pruned pass the cache still equals a fresh prefill of the accepted text."""
-    import numpy as np
-    from ss_mini.kvcache import KVCache
-    from ss_mini.masks import attention_mask
+    from ss_mini.generate import _prefill
     from ss_mini.pruning import pruned_pass
+    from ss_mini.tree import TreeShape
     model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():
         model.prune_adapter.up.weight.normal_(0, 0.3)
     ctx = [1, 2, 3, 4]
-    cache = KVCache(model.config, 64, dtype=torch.float64)
-    n0 = len(ctx)
-    model.forward_nodes(torch.tensor([ctx]), torch.arange(n0), attention_mask(np.arange(n0) - 1, 3), cache=cache)
-    cache.accept(n0)
     tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
-    parents = [-1, 0, 0, 1, 1, 2, 3]
-    shape = tree.shape_of(parents, [0, 0, 1, 0, 1, 0, 0])
-    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 0])
-    tokens_k, shape_k, main, _, _ = pruned_pass(model, tokens, shape, tree, cache, 0.09)
-    assert 1 < shape_k.n_nodes < 7, shape_k.n_nodes  # this seed prunes some nodes, not all
-    leaf = shape_k.n_nodes - 1
+    cache, _, _ = _prefill(model, [ctx], tree.n_drafts, tree.max_len)
+    # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the template
+    paths = tree.paths(tree.n_drafts, tree.width)
+    sel = torch.tensor([[paths.index(p) for p in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]]])
+    shape = TreeShape(tree.template, sel, tree.n_drafts, tree.max_len, tree.width)
+    assert shape.host().parents == [-1, 0, 0, 1, 1, 2, 3] and shape.host().ranks == [0, 0, 1, 0, 1, 0, 0]
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0]])
+    tokens_k, shape_k, main, drafts = pruned_pass(model, tokens, shape, tree, cache, 0.09)
+    kept = shape_k.host()
+    assert 1 < kept.n_nodes < 7, kept.n_nodes  # this seed prunes some nodes, not all
+    assert tokens_k.shape == (1, kept.n_nodes) and main.shape[1] == drafts.shape[1] == kept.n_nodes
+    leaf = kept.n_nodes - 1
     path = [leaf]
-    while shape_k.parents[path[-1]] >= 0:
-        path.append(shape_k.parents[path[-1]])
+    while kept.parents[path[-1]] >= 0:
+        path.append(kept.parents[path[-1]])
     path = sorted(path)
-    seq = ctx + tokens_k[path].tolist()
-    ref, _, _ = model(torch.tensor([seq]))
+    seq = ctx + tokens_k[0, path].tolist()
+    ref, ref_streams, _ = model(torch.tensor([seq]))
     torch.testing.assert_close(main[0, leaf], ref[0, -1], rtol=0, atol=1e-10)
-    cache.accept(path)
-    fresh = KVCache(model.config, 64, dtype=torch.float64)
-    model.forward_nodes(torch.tensor([seq]), torch.arange(len(seq)), attention_mask(np.arange(len(seq)) - 1, 3),
-                        cache=fresh)
+    torch.testing.assert_close(drafts[0, leaf], ref_streams[0, -1], rtol=0, atol=1e-10)  # the next drafts too
+    cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
+    fresh, _, _ = _prefill(model, [seq], tree.n_drafts, tree.max_len)
+    assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
     torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)
 
 
@@ -389,27 +401,33 @@ def test_products_are_those_of_a_tree_pass(drafter):
     """measure.products runs the Linear layers of a decoding step on the rows it carries, in its
     order: those of a speculative step over an n-node tree (n main rows below the multi-stream
     layers, n (1 + g) in them, then the LM head: once over all rows of a small pass, else on the
-    main rows and one node's stream rows) and of an autoregressive step."""
-    from ss_mini.generate import Sampler, _prefill, ar_step, speculative_step
-    from ss_mini.kvcache import KVCache
+    main rows and then on all stream rows; Medusa's heads on the main rows) and of an
+    autoregressive step."""
+    from ss_mini.generate import Sampler, _prefill, ar_step, ar_window, speculative_step
+    from ss_mini.kernels import HEAD_ROWS
     from ss_mini.measure import products
     kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
     model = random_model(**kw).float()
     seen = []
     hooks = [m.register_forward_hook(lambda m, x, y, name=name: seen.append((name, x[0].numel() // x[0].shape[-1])))
              for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    sampler, cache = Sampler(0.0, None, None, None, "cpu"), KVCache(model.config, 128)
+    sampler, root = Sampler(0.0, None, None, None, "cpu"), torch.tensor([1])
     with torch.no_grad():
         for n in (1, 4, 16):
             tree = BudgetTree(n, model.config.n_drafts).bind(model.config, "cpu", torch.float32)
-            root, (_, draft_logits) = torch.tensor([1]), _prefill(model, [1, 2, 3], cache, tree.n_drafts)
+            cache, _, draft_logits = _prefill(model, [[1, 2, 3]], tree.n_drafts, tree.max_len)
             seen.clear()
-            speculative_step(model, cache, root, draft_logits, tree, sampler, 20)
+            speculative_step(model, cache, root, draft_logits, tree, sampler, torch.tensor([20]))
             step, seen[:] = list(seen), []
             products(model, n, tree.n_drafts)()
             assert seen == step, n
+            if drafter == "streams":  # both forms of the head: one call (n = 1, 4), two calls (n = 16)
+                g = tree.n_drafts
+                heads = [rows for name, rows in step if name == "lm_head"]
+                assert heads == ([n * (1 + g)] if n * (1 + g) <= HEAD_ROWS else [n, n * g]), (n, heads)
+        cache, _, _ = _prefill(model, [[1, 2, 3]], 0, model.config.block_size)
         seen.clear()
-        ar_step(model, cache, root, sampler, torch.arange(32))
+        ar_step(model, cache, root, sampler, ar_window(cache))
         step, seen[:] = list(seen), []
         products(model, 1, n_drafts=0)()
         assert seen == step and {rows for _, rows in step} == {1}

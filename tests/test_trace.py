@@ -54,7 +54,9 @@ def traced(case, prompt=(1, 2, 3), n=60):
     trace = Trace(decode, tree=spec)
 
     def on_pass(step):
-        steps.append(dict(q=step["draft_logits"].clone(), L=step["cache_length"]))
+        probs = step["draft_probs"]
+        steps.append(dict(q=step["draft_logits"].clone(), probs=None if probs is None else probs.clone(),
+                          L=step["cache_length"]))
         trace.on_pass(step)
 
     out, stats = generate_speculative(model, list(prompt), n, tree, on_pass=on_pass, **kw)
@@ -84,6 +86,8 @@ def test_trace_replays_to_the_output(case):
             assert (status == "pruned") == (u in p["pruned"]) == (u not in p["kept"])
             if status == "rejected":  # the main stream wanted another token at its parent
                 assert node["parent"] in path and node["token"] != nodes[node["parent"]]["emitted"]
+            elif status == "unreached" and node["parent"] in path:  # only a node past the block's end
+                assert p["cache_length"] + node["depth"] > model.config.block_size - 1
             assert (status in ("root", "accepted")) == (u in path)
     # tracing changes nothing: the same call without it gives the same tokens (sampling included)
     make_model, spec, _ = CASES[case]
@@ -99,12 +103,20 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
     T = model.config.block_size
     for p, mask, step in zip(data["passes"], used, steps):
         L = p["cache_length"]
-        assert L == step["L"] and mask.shape[1] == L + p["mask_keys"]
-        assert torch.equal(dense_mask(p["mask"], L, p["mask_keys"]), mask == 0)
+        # the pass's mask over all the cache's slots (one row of the batch): the prefix, then the
+        # pass's own rows, then slots it must not see
+        assert mask.shape[:2] == (1, 1) and mask.shape[-1] == tree.max_len
+        mask = mask[0, 0]
+        keys = L + p["mask_keys"]
+        assert L == step["L"] and keys <= mask.shape[1]
+        assert torch.equal(dense_mask(p["mask"], L, p["mask_keys"]), mask[:, :keys] == 0)
+        assert torch.isinf(mask[:, keys:]).all()
         n, g = len(p["kept"]), p["n_streams"]
-        assert mask.shape[0] == n * (1 + g)
-        # the drafted tree is the TreeShape the tree gives for these draft logits
-        shape = tree.shape(step["q"], T - 1 - L)
+        assert mask.shape[0] == n * (1 + g) == p["mask_keys"]
+        # the drafted tree is the TreeShape the tree gives for these draft logits (and, when sampling,
+        # the draft distribution that the candidates were drawn from)
+        q, probs = step["q"][None], None if step["probs"] is None else step["probs"][None]
+        shape = tree.shape(q, probs, torch.tensor([T - 1 - L])).host()
         nodes = p["nodes"]
         assert [u["parent"] for u in nodes] == shape.parents and [u["depth"] for u in nodes] == shape.depths
         assert [u["rank"] for u in nodes] == shape.ranks
@@ -115,6 +127,7 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
                 assert u["q_prob"] == pytest.approx(probs[u["depth"] - 1, u["token"]].item(), rel=1e-5)
             else:
                 assert 0.0 <= u["q_prob"] <= 1.0
+                assert u["q_prob"] == pytest.approx(step["probs"][u["depth"] - 1, u["token"]].item(), rel=1e-5)
 
 
 def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
