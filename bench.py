@@ -245,6 +245,20 @@ def step_costs(cfg, device, dtype, log):
     return result
 
 
+def roofline(model, rows, device, dtype, ms_per_pass):
+    """How far each decoding step is from the memory roof: the bytes a step must read (weights
+    once, each row's KV cache at three quarters of the block, the mean over a sliding window)
+    per second against this machine's copy bandwidth: model bandwidth utilisation, as
+    gpt-fast reports it. A step bound by Python and kernel launches sits far below the roof."""
+    nbytes = step_bytes(model, model.config.block_size * 3 // 4, rows)
+    roof = copy_bandwidth(device, getattr(torch, dtype))
+    use = {name: nbytes / (ms / 1e3) / roof for name, ms in ms_per_pass.items()}
+    line = (f"  the roof: a step reads {nbytes / 1e6:.1f} MB and this machine copies {roof / 1e9:.1f} GB/s; "
+            + ", ".join(f"{name} steps run at {nbytes / (ms / 1e3) / 1e9:.2f} GB/s ({use[name]:.0%} of it)"
+                        for name, ms in ms_per_pass.items()))
+    return dict(step_bytes=nbytes, copy_bandwidth_gb_s=roof / 1e9, bandwidth_utilisation=use, line=line)
+
+
 def tree_name(tree):
     return f"{tree} ({len(tree)} nodes)" if tree else "none (plain decoding: no tree pays here)"
 
@@ -367,9 +381,14 @@ def bench(cfg, device, dtype, progress):
         log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the lowest of all runs)"
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
+    roof = roofline(model, B, device, dtype, {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})
+    log(roof.pop("line"))
     result = {}
     if cfg["compile"]:
         c = summarize(*runs[r["median_run"]][2:])
+        c["roof"] = roofline(model, B, device, dtype, {"compiled plain": c["ar_ms_per_pass"],
+                                                       "compiled speculative": c["ss_ms_per_pass"]})
+        log(c["roof"].pop("line"))
         m = summarize(*runs[r["median_run"]][:2])
         log(f"  with torch.compile (the median run): autoregressive {c['ar_tokens_per_s']:.1f} tokens/s "
             f"({c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x eager), speculative {c['ss_tokens_per_s']:.1f} "
@@ -392,7 +411,7 @@ def bench(cfg, device, dtype, progress):
         result["pruning"] = {"threshold": thr, "unpruned": u, "pruned": p}
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
-    result.update(r, tree=str(tree) if tree else "none", tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
+    result.update(r, roof=roof, tree=str(tree) if tree else "none", tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
                   dtype=dtype, threads=torch.get_num_threads(), prompts=len(prompts),
                   max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
                   machine=machine(device, dtype), report=answer[0])

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from .generate import Sampler, _prefill, ar_step, ar_window, generate_ar, generate_speculative, speculative_step
+from .generate import (Sampler, _prefill, _step, ar_step, ar_window, generate_ar, generate_speculative,
+                       speculative_step)
 from .kernels import HEAD_ROWS
 from .medusa import medusa_logits
 from .tree import BudgetTree
@@ -158,15 +159,16 @@ def products(model, n_nodes, n_drafts=None):
     return run
 
 
-def step_bytes(model, cache_len):
+def step_bytes(model, cache_len, rows=1):
     """Bytes one decoding step must read at least: every weight of the blocks and the LM head
     once (an embedding row and a LayerNorm are negligible), and the keys and values of the
-    cached tokens in every layer. An autoregressive step and a tree pass read the same."""
+    cached tokens in every layer, for each of `rows` batch rows. An autoregressive step and a
+    tree pass read the same."""
     cfg = model.config
     blocks = sum(p.numel() * p.element_size() for name, p in model.transformer.h.named_parameters()
                  if ".stream_adapter." not in name)
     head = model.lm_head.weight
-    kv = cfg.n_layer * 2 * cache_len * cfg.n_embd * head.element_size()
+    kv = rows * cfg.n_layer * 2 * cache_len * cfg.n_embd * head.element_size()
     return blocks + head.numel() * head.element_size() + kv
 
 
@@ -217,12 +219,14 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
     max_depth = T - 1 - caches["ar"][0].length
 
+    plain, spec = _step(model, ar_step), _step(model, speculative_step)  # compiled for a `compiled` model
+
     def ar():
-        ar_step(model, caches["ar"][0], root, sampler, window).tolist()
+        plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
-        speculative_step(model, cache, root, q, t, sampler, max_depth)[0].tolist()
+        spec(model, cache, root, q, t, sampler, max_depth)[0].tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
                 **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},

@@ -18,8 +18,9 @@ children) and, at each step, a choice of n of them for each row of the batch:
   the best n are closed under "parent of" and "previous sibling of"); each step scores the
   template on the device and keeps the n best, a different shape in every row.
 So a pass always carries n nodes per row, and a shape is data, never read by the host
-(`TreeShape`): the tensors that the pass, verify and accept need, with a batch dimension
-of 1 (Cartesian: shared by all rows) or B (budget: one shape per row).
+(`TreeShape`): the tensors that the pass, verify and accept need, one row per batch row
+(a Cartesian tree's rows are all alike and built once per batch size; a budget tree's
+differ and are made at every step, on the device).
 
 A tree bound to a model knows how many depths it drafts (`n_drafts`: its depth, at most
 gamma): its passes run that many streams, since deeper ones would draft tokens no node holds.
@@ -35,8 +36,8 @@ MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees h
 
 
 class TreeShape:
-    """The shape of one step's tree in every row, as tensors on the device; B is 1 when all
-    rows share it. n nodes, D = the tree's depth:
+    """The shape of one step's tree in every row of a batch of B, as tensors on the device.
+    n nodes, D = the tree's depth:
 
         depth   (B, n)     0 for the root, j for a candidate from stream j
         parent  (B, n)     the parent's index (the root points to itself)
@@ -46,7 +47,6 @@ class TreeShape:
         path    (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
         tries   (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
         window  (B, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
-    The batch dimension is B, made once (the rows of a Cartesian tree share their values).
     """
 
     def __init__(self, template, sel, n_streams, max_len, width):

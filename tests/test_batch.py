@@ -116,3 +116,41 @@ def test_bad_batches_are_one_line_errors(monkeypatch):
         generate_speculative(model, [[1]] * 4000, 5, tree)
     with pytest.raises(ValueError, match="one prompt"):
         generate_speculative(model, [[1], [2]], 5, tree, on_pass=lambda step: None)
+
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+def _count_syncs(monkeypatch):
+    """Count the calls that copy a tensor's values to the host (a host synchronisation on a GPU)."""
+    calls = []
+    for name in SYNCS:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "n8"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=5)], ids=["greedy", "sampling"])
+def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
+    """speculative_step (draft, forward, verify, accept) and ar_step read nothing back to the host;
+    the decoders read once per step: the tokens they emit."""
+    model = random_model(seed=2, std=0.4)
+    tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64)
+    sampler = generate.Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
+    cache, logits, drafts = generate._prefill(model, [[1, 2, 3], [4, 5]], tree.n_drafts, tree.max_len)
+    root = sampler.pick(logits)
+    with torch.inference_mode():
+        generate.speculative_step(model, cache, root, drafts, tree, sampler, 31 - cache.length)  # shapes built
+        calls = _count_syncs(monkeypatch)
+        for _ in range(3):
+            out = generate.speculative_step(model, cache, root, drafts, tree, sampler, 31 - cache.length)
+            root, drafts = out[1], out[2]
+        generate.ar_step(model, cache, root, sampler, generate.ar_window(cache))
+    assert calls == []
+    out, stats = generate_speculative(model, [[1, 2, 3], [4, 5]], 20, tree, **kw)
+    assert calls.count("tolist") == stats.passes and len(calls) == stats.passes  # prefill + one per step

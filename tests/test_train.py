@@ -54,7 +54,7 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     trained, tok, _ = load_model(str(lossless))
     idx = torch.tensor([tok.encode("def main():")])
     with torch.no_grad():  # the main stream alone, as generate_ar computes it: bit-identical to the base
-        main, _, _ = trained.forward_nodes(idx, torch.arange(idx.shape[1]), tree_mask(range(-1, idx.shape[1] - 1)),
+        main, _ = trained.forward_nodes(idx, torch.arange(idx.shape[1]), tree_mask(range(-1, idx.shape[1] - 1)),
                                         n_drafts=0)
         assert torch.equal(main, base(idx)[0])
         with_streams = trained(idx)[0]  # in a pass that also carries stream rows, matmul shapes differ
@@ -372,8 +372,8 @@ def test_ctrl_c_prints_one_line_and_keeps_the_checkpoint(tmp_path):
     saved = re.search(r"checkpoint saved at iter (\d+)", err[0])
     assert saved or "is better; not replaced" in err[0]
     assert load_checkpoint(str(out))["iter_num"] == int(saved[1]) if saved else (out / "ckpt.pt").read_bytes() == first
-    code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000",
-                           "--num_samples=1000"], lambda line: True)
+    code, err = interrupt([os.path.join(ROOT, "sample.py"), f"--out_dir={out}", "--max_new_tokens=1000000"],
+                          lambda line: True)
     assert code == 1 and err[-1] == "interrupted" and not any("Traceback" in e for e in err), err
 
 
