@@ -280,15 +280,16 @@ def batch_sweep(cfg, device, dtype, progress, log):
     rows, B = [], 1
     while B in SWEEP or (B <= 1024 and rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
-        batches = batched(prompts, B)
-        tree = choose_tree(model, batched(calibration, B), search, kw, lambda *a: None)
+        batches, kw = batched(prompts, B), {**kw, "batch_size": B}
+        tree = choose_tree(model, batched(calibration, B, waves=2), search, kw, lambda *a: None)
         r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
-        rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none", rows=sum(map(len, batches))
-                         if B > 1 else len(batches)))
+        rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
+                         rows=sum(map(len, batches)) if B > 1 else len(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode_of(cfg['temperature'])}, {kw['max_new_tokens']} new tokens per prompt, "
-        f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size a tree search ({cfg['batch_candidates']}) "
-        "then plain and speculative decoding of the same batches, interleaved:")
+        f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
+        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same prompts, B at once (a prompt "
+        "that finishes hands its row to the next), interleaved:")
     log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
         f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
     for r in rows:
@@ -298,8 +299,8 @@ def batch_sweep(cfg, device, dtype, progress, log):
     stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
     log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
         f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
-    log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
-        "decoding's, per prompt")
+    log("latency: the mean time from a prompt taking a row to its output being complete; identical: greedy outputs "
+        "equal to plain decoding's, per prompt")
     if cfg["plot"]:
         plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
         log(f"batch sweep plotted in {cfg['plot']}")
@@ -340,7 +341,7 @@ def bench(cfg, device, dtype, progress):
     base, draft = model.param_counts()
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
-        f"{device} {dtype}, {torch.get_num_threads()} threads" + (f"; batches of {B} prompts" if B > 1 else ""))
+        f"{device} {dtype}, {torch.get_num_threads()} threads" + (f"; {B} prompts at once" if B > 1 else ""))
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
     progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
     tree = choose_tree(model, calibration, cfg, kw, log)
@@ -360,7 +361,7 @@ def bench(cfg, device, dtype, progress):
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
-    n = f"{sum(map(len, prompts))} {where} prompts in batches of {B}" if B > 1 else f"{len(prompts)} {where} prompts"
+    n = f"{sum(map(len, prompts))} {where} prompts, {B} at once" if B > 1 else f"{len(prompts)} {where} prompts"
     answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, {mode_of(cfg['temperature'])}: "
               f"{cfg['out_dir']}, {n} x {kw['max_new_tokens']} new tokens"] + \
         [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)

@@ -209,7 +209,7 @@ def _step(model, step):
     return _COMPILED[step, device]
 
 
-def _prepare(model, prompts, max_new_tokens, cache_slots):
+def _prepare(model, prompts, max_new_tokens, cache_slots, batch_size=None):
     """The prompts as a list of token lists, and whether one prompt (a list of ints) was given.
     Long prompts keep their last block_size tokens; bad input is a one-line ValueError."""
     if max_new_tokens < 1:
@@ -227,8 +227,10 @@ def _prepare(model, prompts, max_new_tokens, cache_slots):
         if len(p) > T:
             warnings.warn(f"prompt of {len(p)} tokens is longer than block_size={T}: keeping the last {T}")
             batch[i] = p[-T:]
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time")
     w = model.lm_head.weight
-    need = model.config.n_layer * 2 * len(batch) * cache_slots * model.config.n_embd * w.element_size()
+    need = model.config.n_layer * 2 * min(len(batch), batch_size or len(batch)) * cache_slots * model.config.n_embd * w.element_size()
     free = _free_memory(w.device)
     if free is not None and need > free:
         raise ValueError(f"a batch of {len(batch)} rows needs a KV cache of {need / 2**30:.1f} GiB and {w.device} "
@@ -267,31 +269,41 @@ def _prefill(model, ctxs, n_drafts, cache_slots):
 
 class Batch:
     """The rows being decoded, as both decoders share them: each row's context and output on
-    the host, its cache row, its root and drafts on the device. Rows that finish (end-of-text,
-    max_new_tokens) leave, with their cache rows; a row whose cache is full rebuilds it from its
-    last block_size // 2 tokens (the sliding window of one sequence, row by row). With compiled
-    steps a finished row rides along, its tokens dropped, until half the batch is done: each new
-    batch size is a new graph, so the batch shrinks by halves (`_step`)."""
+    the host, its cache row, its root and drafts on the device. At most max_rows prompts decode
+    at once; a row that finishes (end-of-text, max_new_tokens) hands its place to the next
+    prompt waiting (continuous batching: one prefill pass for the prompts that join), and when
+    none waits it leaves, with its cache row. A row whose cache is full rebuilds it from its
+    last block_size // 2 tokens (the sliding window of one sequence, row by row). With
+    compiled steps a finished row rides along, its tokens dropped, until half the batch is
+    done: each new batch size is a new graph, so the batch shrinks by halves (`_step`)."""
 
-    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, n_drafts, cache_slots, stats):
+    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, n_drafts, cache_slots, sampler, max_rows=None):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
-        self.n_drafts, self.slots, self.stats, self.t0 = n_drafts, cache_slots, stats, time.perf_counter()
-        self.ctx = [list(p) for p in prompts]  # each row's accepted tokens: what a rebuilt window holds
+        self.n_drafts, self.slots, self.sampler = n_drafts, cache_slots, sampler
+        self.stats, self.t0 = Stats(passes=0, row_seconds=[0.0] * len(prompts)), time.perf_counter()
+        self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens: what a rebuilt window holds
         self.out = [[] for _ in prompts]
-        self.rows = list(range(len(prompts)))  # the prompt index of each row still decoding
-        self.lengths = [len(p) for p in prompts]  # the host's copy of cache.length, from the tokens it emits
-        self.out_root = [None] * len(prompts)  # each row's root: the last token it emitted, cached by the next pass
-        self.cache, self.first_logits, self.drafts = _prefill(model, self.ctx, n_drafts, cache_slots)
-        self.roots = None  # the same roots on the device
+        self.started = [self.t0] * len(prompts)  # when each prompt took a row
+        self.queue = list(range(len(prompts)))  # prompts waiting for a row
         self.done = set()  # prompts whose output is complete (rows that still ride along: compiled steps)
         self.by_halves = getattr(model, "compile_steps", False)
-        stats.passes, stats.row_seconds = 1, [0.0] * len(prompts)
+        n = min(max_rows or len(prompts), len(prompts))
+        self.rows, self.queue = self.queue[:n], self.queue[n:]  # the prompt in each row
+        self.lengths = [len(self.ctx[b]) for b in self.rows]  # the host's copy of cache.length, from the tokens it emits
+        self.out_root = [None] * n  # each row's root: the last token it emitted, cached by the next pass
+        self.cache, logits, self.drafts = _prefill(model, [self.ctx[b] for b in self.rows], n_drafts, cache_slots)
+        self.stats.passes = 1
+        self.roots = sampler.pick(logits)  # the same roots on the device
+        self.going = self.emit([[t] for t in self.roots.tolist()], cached=False)
 
     def emit(self, new, cached=True):
         """Each row's new tokens (a list per row: a pass's accepted drafts and the next root); the
-        pass cached the previous root and the drafts (cached=False: the prefill's first root).
-        Rows that finish leave the batch, full caches are rebuilt. Returns False when every output is complete."""
+        pass cached the previous root and the drafts (cached=False: a prefill's first roots).
+        Rows that finish hand their place on or leave the batch, full caches are rebuilt.
+        Returns False when every output is complete."""
         for i, (b, toks) in enumerate(zip(self.rows, new)):
+            if not toks:  # a row that did not take part (a prompt joining beside it)
+                continue
             if cached:
                 self.ctx[b] += [self.out_root[i]] + toks[:-1]
                 self.lengths[i] += len(toks)
@@ -309,8 +321,11 @@ class Batch:
             if self.on_tokens and shown:
                 self.on_tokens(b, shown)
             if (out and out[-1] == self.eot) or len(out) >= self.max_new:
-                self.stats.row_seconds[b] = time.perf_counter() - self.t0
+                self.stats.row_seconds[b] = time.perf_counter() - self.started[b]
                 self.done.add(b)
+        free = [i for i, b in enumerate(self.rows) if b in self.done]
+        if free and self.queue:
+            return self.join(free[:len(self.queue)])
         keep = [i for i, b in enumerate(self.rows) if b not in self.done]
         if self.by_halves and keep and 2 * len(keep) > len(self.rows):
             keep = list(range(len(self.rows)))  # finished rows ride along until half the batch is done
@@ -325,18 +340,34 @@ class Batch:
         full = [i for i, L in enumerate(self.lengths) if L == T]
         if full:  # sliding window: rebuild these rows from their last T // 2 tokens (one pass)
             for i in full:
-                b = self.rows[i]
-                self.ctx[b] = self.ctx[b][-(T // 2):]
+                self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
                 self.lengths[i] = T // 2
-            cache, _, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.n_drafts, self.slots)
-            index = torch.tensor(full, device=cache.length.device)
-            self.cache.put_rows(index, cache)
-            if drafts is not None:
-                self.drafts[index] = drafts
-            self.stats.passes += 1
+            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.n_drafts, self.slots))
         return len(self.done) < len(self.out)
 
+    def join(self, free):
+        """The next prompts waiting take the rows `free`: one prefill pass, then their first tokens."""
+        for i in free:
+            b = self.rows[i] = self.queue.pop(0)
+            self.lengths[i], self.started[b] = len(self.ctx[b]), time.perf_counter()
+        cache, logits, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in free], self.n_drafts, self.slots)
+        self._fill(free, (cache, logits, drafts))
+        roots = self.sampler.pick(logits)
+        self.roots[torch.tensor(free, device=roots.device)] = roots
+        new = [[t] for t in self.roots.tolist()]  # the others' roots are unchanged: emitting them again adds nothing
+        return self.emit([new[i] if i in free else [] for i in range(len(new))], cached=False)
+
+    def _fill(self, rows, prefilled):
+        """Rows of the batch replaced by a prefill of their contexts (one pass)."""
+        cache, _, drafts = prefilled
+        index = torch.tensor(rows, device=cache.length.device)
+        self.cache.put_rows(index, cache)
+        if drafts is not None:
+            self.drafts[index] = drafts
+        self.stats.passes += 1
+
     def finish(self, single):
+        """The outputs (end-of-text dropped) and the Stats."""
         outs = [o[:-1] if o and o[-1] == self.eot else o for o in self.out]
         self.stats.new_tokens = sum(map(len, outs))
         self.stats.seconds = time.perf_counter() - self.t0
@@ -360,19 +391,18 @@ def ar_step(model, cache, root, sampler, window):
 @decoding_kernels
 @torch.inference_mode()
 def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, eot=None,
-                on_tokens=None):
+                on_tokens=None, batch_size=None):
     """KV-cached autoregressive decoding: one token per row per forward pass (the baseline).
 
     prompts: a token list, or a list of token lists of any lengths (a batch). Returns the new
     tokens (a list, or a list per prompt) and Stats. on_tokens(prompt index, tokens) gets each
-    pass's tokens as soon as they are final."""
-    batch, single = _prepare(model, prompts, max_new_tokens, model.config.block_size)
+    pass's tokens as soon as they are final. batch_size: at most this many prompts decode at
+    once, the next taking the place of one that finishes (None: all at once)."""
+    batch, single = _prepare(model, prompts, max_new_tokens, model.config.block_size, batch_size)
     sampler = Sampler(temperature, top_k, top_p, seed, model.lm_head.weight.device)
-    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, 0, model.config.block_size, Stats())
+    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, 0, model.config.block_size, sampler, batch_size)
     window = ar_window(rows.cache)
-    rows.roots = sampler.pick(rows.first_logits)
-    go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
-    step, V = _step(model, ar_step), model.config.vocab_size
+    step, V, go = _step(model, ar_step), model.config.vocab_size, rows.going
     while go:
         sampler.draw_ahead(pick=(len(rows.rows), V))
         rows.roots = step(model, rows.cache, rows.roots, sampler, window)
@@ -436,10 +466,10 @@ def _on_pass(on_pass, L, draft_logits, step, a, root, n_drafts):
 @decoding_kernels
 @torch.inference_mode()
 def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, top_k=None, top_p=None, seed=None,
-                         eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None):
+                         eot=None, on_tokens=None, prune_threshold=0.0, on_pass=None, batch_size=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prompts, on_tokens and the result: as `generate_ar`. prune_threshold > 0: parallel tree
+    prompts, on_tokens, batch_size and the result: as `generate_ar`. prune_threshold > 0: parallel tree
     pruning (ss_mini/pruning.py) inside each pass (greedy, one prompt). on_pass: called after
     each decode pass of a single prompt with what it did (trace.py)."""
     cfg = model.config
@@ -453,16 +483,15 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
                          "or decode without --speculative")
     dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     tree.bind(cfg, dev, dtype)
-    batch, single = _prepare(model, prompts, max_new_tokens, tree.max_len)
+    batch, single = _prepare(model, prompts, max_new_tokens, tree.max_len, batch_size)
     if prune_threshold and len(batch) > 1:
         raise ValueError("parallel tree pruning decodes one prompt at a time: give one prompt, or prune_threshold=0")
     if on_pass and len(batch) > 1:
         raise ValueError("on_pass records the passes of one prompt: give one prompt")
     T = cfg.block_size
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
-    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.n_drafts, tree.max_len, Stats())
-    rows.roots = sampler.pick(rows.first_logits)
-    go = rows.emit([[t] for t in rows.roots.tolist()], cached=False)
+    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.n_drafts, tree.max_len, sampler, batch_size)
+    go = rows.going
     one_step, V, n, D = _step(model, speculative_step), cfg.vocab_size, len(tree), tree.n_drafts
     while go:
         B = len(rows.rows)

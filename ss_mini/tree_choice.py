@@ -67,7 +67,7 @@ def pick_prompts(cfg, ckpt, tok):
 def decode_kwargs(cfg, tok):
     """The decoders' keyword arguments from bench's config."""
     return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
-                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot)
+                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot, batch_size=cfg["batch_size"])
 
 
 def tree_search(model, calibration, cfg, kw, log):
@@ -123,15 +123,16 @@ def choose_tree(model, calibration, cfg, kw, log):
     return tree
 
 
-def batched(prompts, batch_size):
-    """The prompts as batches of batch_size rows, drawn in turn from the prompt set (at least
-    every prompt once), each row keeping a different number of its last tokens (half to all),
-    so that a batch mixes lengths. batch_size 1: the prompts as they are."""
+def batched(prompts, batch_size, waves=4):
+    """The prompts for batches of batch_size rows: at least waves x batch_size prompts (and every
+    prompt once), drawn in turn from the prompt set, each keeping a different number of its last
+    tokens (half to all) so that a batch mixes lengths, in groups of 2 x batch_size (so that
+    interleaved decoders take turns going first); the decoders take a group batch_size at a
+    time, the next prompt taking the row of one that finishes. batch_size 1: the prompts as
+    they are, one by one."""
     if batch_size == 1:
         return prompts
-    n = -(-max(len(prompts), batch_size) // batch_size) * batch_size
-    rows = []
-    for i in range(n):
-        p = prompts[i % len(prompts)]
-        rows.append(p[(i * 7) % (len(p) // 2 + 1):])
-    return [rows[i:i + batch_size] for i in range(0, n, batch_size)]
+    group = 2 * batch_size
+    n = -(-max(len(prompts), waves * batch_size) // group) * group
+    rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):] for i in range(n)]
+    return [rows[i:i + group] for i in range(0, n, group)]

@@ -154,3 +154,20 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     assert calls == []
     out, stats = generate_speculative(model, [[1, 2, 3], [4, 5]], 20, tree, **kw)
     assert calls.count("tolist") == stats.passes and len(calls) == stats.passes  # prefill + one per step
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "n8"])
+def test_continuous_batching_keeps_every_output(spec):
+    """batch_size below the number of prompts: a prompt that finishes hands its row to the next
+    one waiting; every output is still its prompt decoded alone (both decoders)."""
+    model = random_model(seed=5, std=0.4)
+    prompts = _prompts(3, 7)
+    alone = [generate_ar(model, p, 50)[0] for p in prompts]
+    eot = alone[2][len(alone[2]) // 3]
+    want = [generate_ar(model, p, 50, eot=eot)[0] for p in prompts]
+    for bs in (1, 2, 3):
+        ar, s_ar = generate_ar(model, prompts, 50, eot=eot, batch_size=bs)
+        ss, s_ss = generate_speculative(model, prompts, 50, make_tree(spec, 3), eot=eot, batch_size=bs)
+        assert ar == want and ss == want, bs
+    with pytest.raises(ValueError, match="batch_size=0"):
+        generate_ar(model, prompts, 5, batch_size=0)
