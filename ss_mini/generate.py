@@ -56,7 +56,7 @@ class Stats:
 
     @property
     def mean_accepted(self):
-        """Mean accepted length tau: tokens emitted per decode pass, the root included."""
+        """Mean accepted length tau: tokens a row emits per decode pass, its accepted drafts + 1."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 

@@ -3,8 +3,9 @@
 Metrics (defined here only; bench.py reports them):
 - tokens/s: new tokens / wall time of the whole generation, prefill included, summed over
   the prompts of a run (total tokens / total seconds).
-- passes: forward passes, the prefill counted in both decoders.
-- tau (mean accepted length): tokens per speculative decode pass, the root included.
+- passes: forward passes (of the batch), the prefill counted in both decoders.
+- tau (mean accepted length): tokens emitted per speculative decode pass: its accepted drafts
+  and the token the target adds after them (at least 1).
 - call-reduction CR: AR passes / SS passes.
 - speedup: SS tokens/s / AR tokens/s; efficiency: speedup / CR (what a speculative pass
   costs against a plain one, inverted).

@@ -18,10 +18,11 @@ reads the main stream's cache. The forward is split at stream insertion
 (`forward_bottom`, `forward_top`) so that parallel tree pruning (pruning.py) can drop
 nodes half-way through a pass.
 
-Around the method, each in its own file and reached from here through one hook:
-stream-only adapters of the lossless mode (adapters.py), Medusa heads, the paper's
-baseline drafter (medusa.py), the tree-pruning adapter (pruning.py), distilled stream
-targets (distill.py) and the device-specific kernel choices (kernels.py).
+Around the method, each in its own file: stream-only adapters of the lossless mode
+(adapters.py, called in the attention and MLP of the MSA layers), Medusa heads, the paper's
+baseline drafter (medusa.py: built in __init__, run in forward_top), the tree-pruning adapter
+(pruning.py: built in __init__, trained in forward), distilled stream targets (distill.py,
+in forward) and the device-specific kernel choices (kernels.py: Linear, HEAD_ROWS).
 """
 import math
 from dataclasses import dataclass

@@ -39,7 +39,7 @@ def tree_search(rows, best, path, title="", tie_margin=0.0):
     fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, label in ((axes[0], "speedup", "speedup over autoregressive"),
-                           (axes[1], "mean_accepted", "\u03c4: tokens per pass, root included")):
+                           (axes[1], "mean_accepted", "\u03c4: tokens per pass (accepted drafts + 1)")):
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.annotate("autoregressive", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(3, 3),
                     textcoords="offset points", color="gray", fontsize=8)

@@ -49,7 +49,7 @@ def suite_markdown(doc):
                    f"`{r['command']}` | {r['tree']} | {r['ar_tokens_per_s']:,.0f} | {r['ss_tokens_per_s']:,.0f} | "
                    f"{speedup_cell(r['speedup'], *r['speedup_range'])} | {r['mean_accepted']:.2f} | "
                    f"{r['call_reduction']:.2f} | {r['repeat_rate']:.0%}{' †' if r['repeat_rate'] > 0.5 else ''} |")
-    out += ["", "τ: tokens per speculative pass (root included); CR: autoregressive passes / speculative passes; "
+    out += ["", "τ: tokens per speculative pass (accepted drafts + 1); CR: autoregressive passes / speculative passes; "
             "output repeats: the share of the autoregressive output's 12-grams that occurred earlier in it; tree: the "
             "one the tree search picked on calibration prompts kept apart from the reported ones; tokens/s, τ and CR "
             "are the median run's (definitions: `ss_mini/measure.py`)."]

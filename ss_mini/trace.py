@@ -116,7 +116,7 @@ def record(step, decode):
 
 
 def summary(passes):
-    """Passes, tau (tokens emitted per pass, root included: as Stats.mean_accepted), the
+    """Passes, tau (tokens emitted per pass: accepted drafts + 1, as Stats.mean_accepted), the
     histogram of tokens per pass, and the acceptance rate by depth d: of the passes whose path
     reached depth d - 1 at a node with a verified child, the share that accepted a child there."""
     lengths = [p["emitted"] for p in passes]

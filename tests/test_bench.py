@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import bench
@@ -148,3 +149,25 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
                                                                               f"{sys.executable} sample.py", 1)],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert plain.stdout == ex["prompt"] + ex["greedy"]["continuation"] + "\n---------------\n"
+
+
+def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
+    """--batch_sweep: one row per batch size, each with its own tree search (the tree none among
+    the candidates), greedy outputs identical to plain decoding at every size, and the figure."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=4", "--num_prompts=3", "--max_new_tokens=12",
+            "--prompt_tokens=16", "--batch_candidates=none;1,1;n4", "--calibration_tokens=8", f"--plot={png}", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    rows = doc["batch_sweep"]
+    assert [row["batch_size"] for row in rows] == [1, 2, 4] and png.exists()
+    for row in rows:
+        assert row["tree"] in ("none", "1,1", "n4") and row["match_rate"] == 1.0
+        assert row["rows"] >= 3 and row["ar_latency_s"] > 0
+    assert doc["stops_paying_at"] in (None, 1, 2, 4)
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12", "--prompt_tokens=16",
+            "--tree=1,1", "--repeats=1", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]

@@ -294,6 +294,8 @@ BAD = [  # (script, flags, words the one-line error must contain)
     ("bench.py", ["--repeats=0"], "--repeats"), ("bench.py", ["--calibration_tokens=0"], "--calibration_tokens"),
     ("bench.py", ["--tie_margin=-0.1"], "--tie_margin"), ("bench.py", ["--tie_margin=1"], "--tie_margin"),
     ("bench.py", ["--suite", "--suite_dirs=out"], "--suite_dirs"), ("bench.py", ["--suite"], "does not combine"),
+    ("bench.py", ["--batch_size=0"], "--batch_size"), ("bench.py", ["--suite", "--batch_size=4"], "does not combine"),
+    ("sample.py", ["--speculative", "--trace=t.html", "--num_samples=2"], "--num_samples=1"),
 ]
 
 
