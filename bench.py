@@ -216,9 +216,11 @@ def step_costs(cfg, device, dtype, log):
         context = validation_prompts(ckpt, tok, 1, min(model.config.block_size // 2, 256))[0]
         name = cfg["out_dir"]
     c = model.config
-    costs, floors, ar_ms = pass_cost(model, context)
+    B = cfg["batch_size"]
+    costs, floors, ar_ms = pass_cost(model, context, batch_size=B)
     log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, {device} "
-        f"{str(dtype)[6:]}, {torch.get_num_threads()} threads; KV cache of {len(context)} tokens")
+        f"{str(dtype)[6:]}, {torch.get_num_threads()} threads; KV cache of {len(context)} tokens"
+        + (f"; a batch of {B} rows" if B > 1 else ""))
     log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of n nodes, "
         "in autoregressive steps:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
@@ -230,7 +232,7 @@ def step_costs(cfg, device, dtype, log):
               "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/kernels.py)",
               file=sys.stderr, flush=True)
     # the memory-bandwidth view: every step reads all weights and the KV cache once, whatever its node count
-    nbytes, roof = step_bytes(model, len(context)), copy_bandwidth(device, dtype)
+    nbytes, roof = step_bytes(model, len(context), B), copy_bandwidth(device, dtype)
     log(f"bandwidth: a step reads {nbytes / 1e6:.1f} MB (weights and KV cache); this machine copies at "
         f"{roof / 1e9:.1f} GB/s; the autoregressive step runs at {nbytes / ar_ms / 1e6:.1f} GB/s, "
         f"{100 * nbytes / ar_ms * 1e3 / roof:.0f}% of it; a step over n nodes, for the same bytes:")
@@ -239,7 +241,7 @@ def step_costs(cfg, device, dtype, log):
               "ar_ms_per_step": ar_ms, "cache_tokens": len(context), "step_bytes": nbytes,
               "copy_bandwidth_gb_s": roof / 1e9, "ar_bandwidth_utilisation": nbytes / ar_ms * 1e3 / roof}
     if cfg["compile"]:
-        costs, _, ar_ms = pass_cost(compiled(model), context)
+        costs, _, ar_ms = pass_cost(compiled(model), context, batch_size=B)
         log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in compiled autoregressive "
             "steps:\n  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
         result["compiled"] = {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms}

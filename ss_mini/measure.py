@@ -131,7 +131,7 @@ def machine(device, dtype):
                 dtype=str(dtype).replace("torch.", ""))
 
 
-def products(model, n_nodes, n_drafts=None):
+def products(model, n_nodes, n_drafts=None, batch_size=1):
     """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
     the rows that the pass carries (n_nodes main rows below the multi-stream layers,
     n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
@@ -142,9 +142,9 @@ def products(model, n_nodes, n_drafts=None):
     first = model.first_msa_layer(g)
     n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
-    x = {r: w.new_zeros(1, r, cfg.n_embd) for r in set(rows) | {n, n * g}}
+    x = {r: w.new_zeros(batch_size, r, cfg.n_embd) for r in set(rows) | {n, n * g}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
-    xh = {r: w.new_zeros(1, r, hidden) for r in set(rows)}
+    xh = {r: w.new_zeros(batch_size, r, hidden) for r in set(rows)}
 
     def run():
         for block, r in zip(model.transformer.h, rows):
@@ -198,12 +198,12 @@ def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
 
 
 @torch.inference_mode()
-def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
+def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_size=1):
     """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
     verify, accept: `speculative_step`) divided by that of one autoregressive step
     (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
     `steps` steps of each, interleaved. Every step starts from the same cache length, root
-    and drafts.
+    and drafts; batch_size rows, all of the same context, step together.
 
     Also the floor that no leaner step goes below on this machine, up to the timing's noise
     (a few hundredths): 1 + (the matrix products of the speculative pass - those of the
@@ -215,8 +215,9 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
     T, L = cfg.block_size, len(context)
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
     sampler = Sampler(0.0, None, None, None, dev)
-    caches = {n: _prefill(model, [list(context)], t.n_drafts, t.max_len) for n, t in trees.items()}
-    caches["ar"] = _prefill(model, [list(context)], 0, T)
+    rows = [list(context)] * batch_size  # every row the same: a batch of batch_size
+    caches = {n: _prefill(model, rows, t.n_drafts, t.max_len) for n, t in trees.items()}
+    caches["ar"] = _prefill(model, rows, 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
     max_depth = T - 1 - caches["ar"][0].length
 
@@ -229,9 +230,9 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10):
         cache, _, q = caches[n]
         spec(model, cache, root, q, t, sampler, max_depth)[0].tolist()
 
-    steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0),
+    steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0, batch_size=batch_size),
                 **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},
-                **{f"products {n}": products(model, n, t.n_drafts) for n, t in trees.items()}}
+                **{f"products {n}": products(model, n, t.n_drafts, batch_size) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)

@@ -45,8 +45,9 @@ def test_greedy_identity_trained_model(tiny_ckpt):
 
 
 def test_compiled_decoders_match_eager():
-    """--compile=True: the compiled forward gives both decoders the outputs of the eager one,
-    across cache lengths, tree sizes and a sliding-window rebuild (dynamic shapes)."""
+    """--compile=True: the steps compiled whole give both decoders the outputs of the eager
+    ones, across cache lengths, a chain and a budget tree, a sliding-window rebuild and a batch
+    whose rows finish; sampling with one seed draws the same tokens."""
     model = random_model(seed=1, dtype=torch.float32, std=0.4, n_layer=2)
     fast = compiled(model)
     for spec, prompt in (("1,1,1", [1, 2, 3]), ("n5", [4] * 9)):
@@ -54,7 +55,12 @@ def test_compiled_decoders_match_eager():
         ar = generate_ar(model, prompt, 40)[0]
         assert generate_ar(fast, prompt, 40)[0] == ar
         assert generate_speculative(fast, prompt, 40, tree)[0] == ar
-    assert "forward_nodes" not in vars(model)  # the eager model is untouched
+    prompts = [[1, 2, 3], [5], [4] * 9]
+    eot = generate_ar(model, prompts[1], 40)[0][5]
+    assert generate_speculative(fast, prompts, 40, tree, eot=eot)[0] == generate_ar(model, prompts, 40, eot=eot)[0]
+    kw = dict(temperature=0.9, top_k=5, seed=3)
+    assert generate_speculative(fast, [1, 2], 20, tree, **kw)[0] == generate_speculative(model, [1, 2], 20, tree, **kw)[0]
+    assert not getattr(model, "compile_steps", False)  # the eager model is untouched
 
 
 def _draft(tree, root, q, max_depth, vocab_size):
