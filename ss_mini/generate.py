@@ -1,11 +1,12 @@
 """The two decoders: KV-cached autoregressive (`generate_ar`) and Speculative Streaming
-(`generate_speculative`). Both return (new tokens, Stats) and call `on_tokens` with each
-pass's tokens as soon as they are final. Each is a loop around one step function
-(`ar_step`, `speculative_step`), which bench.py also times on its own; `compiled(model)`
-gives both the same model with its forward pass compiled. `on_pass`, when given, receives
-what each speculative pass drafted, verified and accepted (sample.py --trace, trace.py).
+(`generate_speculative`). Both take one prompt or a batch of prompts of any lengths, return
+(new tokens, Stats) and call `on_tokens` with each pass's tokens as soon as they are final.
+Each is a loop around one step function (`ar_step`, `speculative_step`) over the rows of a
+`Batch`; bench.py also times the steps on their own, and `compiled(model)` compiles each
+step whole. `on_pass`, when given, receives what each speculative pass of one prompt
+drafted, verified and accepted (sample.py --trace, trace.py).
 
-One speculative step (paper §3.2), `speculative_step`:
+One speculative step (paper §3.2), `speculative_step`, for every row of the batch at once:
   1. tree draft: root r (the next token, already decided) plus candidates ranked per
      depth from the streams q_1..q_gamma of the last accepted token  -> tree.py, Sampler.draft
   2. one forward pass over the tree: the main stream verifies every node, and the
@@ -13,20 +14,24 @@ One speculative step (paper §3.2), `speculative_step`:
      deep: the others would draft depths it never uses)             -> GPT.forward_nodes
      (optionally pruned half-way                                     -> pruning.py)
   3. verify: the token y_u the target emits at every node u (argmax when greedy;
-     speculative sampling otherwise, see `Sampler`); walk from the root while a child
-     carries y_u; the last y is the next root                       -> Sampler.verify, `walk`
-  4. accept: keep the path's K/V in the cache (compaction); its last node's streams
-     are the next drafts                                             -> kvcache.py, KVCache.accept
+     speculative sampling otherwise, see `Sampler`); a node is accepted when every node on
+     its path holds the token its parent emitted; the deepest one ends the path, and its
+     y is the next root                                              -> Sampler.verify
+  4. accept: keep each row's path in its cache (compaction); the path's last node's
+     streams are the next drafts                                     -> kvcache.py, KVCache.accept
+The step's shapes do not change from step to step and it reads nothing back to the host;
+the decoder reads the emitted tokens once per step.
+
 Greedy outputs are those of `generate_ar`, token for token up to float near-ties (a tree
 pass multiplies other matrix shapes than a one-token pass, so two nearly equal logits can
 swap; bench.py reports the share of identical outputs, and the tests check equality in
-float64); sampled outputs follow exactly the distribution of plain sampling (lossless), but
-not the same random draws.
+float64); every row of a batch is its prompt decoded alone. Sampled outputs follow exactly
+the distribution of plain sampling (lossless), but not the same random draws.
 
-Context longer than block_size: both decoders use the same sliding-window rule. When
-the cache is full they rebuild it from the last block_size // 2 tokens (one prefill
-pass) and go on; the tree is cut so that no position reaches block_size, so both
-rebuild at the same token and greedy outputs stay identical.
+Context longer than block_size: both decoders use the same sliding-window rule, row by
+row. When a row's cache is full it is rebuilt from the row's last block_size // 2 tokens
+(one prefill pass) and decoding goes on; no node past block_size is ever accepted, so
+both decoders rebuild at the same token and greedy outputs stay identical.
 """
 import copy
 import time

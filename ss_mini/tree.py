@@ -118,6 +118,7 @@ class Template:
         self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
         self.anc = anc.to(device)
+        self.anc_t = self.anc.T.float()  # a budget tree scores its nodes in float32: log q summed along the path
         self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # every rank on the path is 0: the top-1 chain
 
 
@@ -208,12 +209,12 @@ class BudgetTree(_Tree):
         the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
         first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
         template order among ties, so the n best are a tree: a parent before its children."""
-        t, B = self.template, draft_logits.shape[0]
+        t = self.template
         q = torch.softmax(draft_logits.float(), dim=-1) if draft_probs is None else draft_probs.float()
         logq = torch.topk(q[:, :self.n_drafts], self.width, dim=-1).values.clamp_min(1e-30).log().flatten(1)
         step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
         step[:, 0] = 0.0
-        score = step @ t.anc.T.float()  # log of the product along the path (anc includes u itself)
+        score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
         score = score.masked_fill(t.on_chain, torch.inf)
         if max_depth is not None:
             score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)

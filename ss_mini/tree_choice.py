@@ -15,7 +15,7 @@ from . import plot
 from .checkpoint import training_data
 from .cli import UsageError
 from .data import load_split
-from .generate import generate_ar, generate_speculative
+from .generate import generate_ar
 from .measure import run_interleaved, run_pair, speculative, summarize, unreliable
 from .tree import make_tree
 

@@ -58,9 +58,9 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
                                seconds=passes * ms * 1e-3)
 
     from ss_mini import measure
-    for module in (tree_choice, measure):  # the search times the trees, measure.speculative makes their decoders
-        monkeypatch.setattr(module, "generate_ar", fake_ar)
-        monkeypatch.setattr(module, "generate_speculative", fake_ss)
+    monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline
+    monkeypatch.setattr(measure, "generate_ar", fake_ar)  # measure.speculative makes each tree's decoder
+    monkeypatch.setattr(measure, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
     best, rows = tree_choice.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
