@@ -27,11 +27,12 @@ def check(path, searched=True):
                          "without --compare, --pass_cost or --suite")
 
 
-def tree_search(rows, best, path, title="", tie_margin=0.0):
+def tree_search(rows, best, path, title="", tie_margin=0.0, n_streams=0):
     """Speedup and tau of each candidate tree against its node count, the chosen tree marked,
     autoregressive decoding at 1.0 on both. rows: (spec, nodes, bench summary) of
     tree_choice.tree_search; best: the chosen spec; tie_margin: the band below the fastest within
-    which the search takes the smallest tree (shaded). Cartesian trees are dots, node budgets
+    which the search takes the smallest tree (shaded); n_streams: the model's (which budgets
+    are chains). Cartesian trees are dots, node budgets
     squares joined by a line (one family). Written atomically (temp file, then os.replace)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no window
 
@@ -51,11 +52,12 @@ def tree_search(rows, best, path, title="", tie_margin=0.0):
             ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6, label="top-k per depth (k,k,k)")
         for spec, n, r in rows:  # budget labels left of their points, Cartesian ones right: they share node counts
             budget = spec.startswith("n")
-            ax.annotate(spec, (n, r[key]), textcoords="offset points", fontsize=7,
+            ax.annotate(same_as_chain(spec, n_streams), (n, r[key]), textcoords="offset points", fontsize=7,
                         xytext=(-5, 3) if budget else (5, -3), ha="right" if budget else "left",
                         va="bottom" if budget else "top")
             if spec == best:
-                ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3, label=f"chosen: {spec}")
+                ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3,
+                        label=f"chosen: {same_as_chain(spec, n_streams)}")
         ax.set_xlabel("nodes in the tree")
         ax.set_ylabel(label)
         ax.set_xscale("log", base=2)
@@ -74,6 +76,13 @@ def tree_search(rows, best, path, title="", tie_margin=0.0):
     if title:
         fig.suptitle(title, fontsize=10)
     save(fig, path)
+
+
+def same_as_chain(spec, n_streams):
+    """A budget of n nodes that holds only the top-1 chain is that chain (n4 is 1,1,1 when the
+    model has 3 or more streams): say so, so that one tree is not read as two."""
+    n = int(spec[1:]) if spec.startswith("n") and spec[1:].isdigit() else 0
+    return f"{spec} (= {','.join(['1'] * (n - 1))})" if 2 <= n <= n_streams + 1 else spec
 
 
 def batch_sweep(rows, path, title=""):

@@ -88,7 +88,8 @@ def record(step, decode):
     probs = step["draft_probs"]
     if probs is None:
         probs = torch.softmax(step["draft_logits"].float(), dim=-1)
-    q_prob = [None] + probs[drafted.depth[1:] - 1, step["drafted_tokens"][1:]].tolist()
+    depths = torch.tensor(drafted.depths[1:], device=probs.device)
+    q_prob = [None] + probs[depths - 1, step["drafted_tokens"][1:]].tolist()
     emitted = [None] * drafted.n_nodes
     for i, u in enumerate(kept):
         emitted[u] = step["ys"][i]

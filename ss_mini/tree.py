@@ -77,8 +77,9 @@ class TreeShape:
 
 
 class HostShape:
-    """One row of a TreeShape as lists, read on the host (trace.py, tests); `mask(L)` is the
-    same pass mask with the cached prefix as its first L columns, as a bool tensor."""
+    """One row of a TreeShape as lists, read on the host (trace.py, tests): parents, depths,
+    ranks, children; `mask(L)` is the same pass mask with the cached prefix as its first L
+    columns, as a bool tensor."""
 
     def __init__(self, shape, row):
         self.n_nodes = shape.n_nodes
@@ -88,7 +89,6 @@ class HostShape:
         self.children = [[] for _ in range(self.n_nodes)]
         for u, p in enumerate(self.parents[1:], 1):
             self.children[p].append(u)
-        self.depth = shape.depth[row]
         self._window, self._S = shape.window[min(row, shape.window.shape[0] - 1)], shape.window.shape[-1] // 2
 
     def mask(self, L):

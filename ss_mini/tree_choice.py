@@ -114,8 +114,10 @@ def choose_tree(model, calibration, cfg, kw, log):
     if spec == "auto" or cfg.get("sweep"):
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} prompts",
-                             cfg["tie_margin"])
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} "
+                             f"calibration prompts x {min(kw['max_new_tokens'], cfg['calibration_tokens'])} new tokens "
+                             "(shorter than the measurement's, "
+                             "so other speedups)", cfg["tie_margin"], model.config.n_drafts)
             log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)
