@@ -56,12 +56,12 @@ def greedy_continuation(model, idx, where=None):
         # every row of the batch holds the same number of tokens, so the cache's slots are the tree's
         # nodes: a pass's mask over all slots is its rows of the tree's mask (slots not yet written: hidden)
         cache = KVCache(model.config, T + g * m, batch_size=B, device=dev, dtype=model.lm_head.weight.dtype)
-        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T], cache=cache, n_drafts=0)
+        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T], cache=cache, draft_depth=0)
         cache.advance(torch.full((B,), T, device=dev))
         y, probs = logits[:, t].argmax(-1), []
         for j in range(1, g + 1):
             end = T + j * m
-            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end], cache=cache, n_drafts=0)
+            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end], cache=cache, draft_depth=0)
             cache.advance(torch.full((B,), m, device=dev))
             probs.append(torch.softmax(logits.float(), dim=-1))
             y = logits.argmax(-1)

@@ -254,20 +254,20 @@ def _free_memory(device):
         return None
 
 
-def _prefill(model, ctxs, n_drafts, cache_slots):
+def _prefill(model, ctxs, draft_depth, cache_slots):
     """One pass over each row's context, right-padded to the longest (a row's padding comes
     after its tokens, where nothing real looks): a new cache with these rows, the main logits at
-    each row's last token (B, V) and, unless n_drafts = 0, its draft logits (B, g, V)."""
+    each row's last token (B, V) and, unless draft_depth = 0, its draft logits (B, g, V)."""
     cfg, w = model.config, model.lm_head.weight
     B, n = len(ctxs), max(map(len, ctxs))
     idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in ctxs], device=w.device)
     last = torch.tensor([len(c) - 1 for c in ctxs], device=w.device)[:, None]  # (B, 1)
     cache = KVCache(cfg, cache_slots, B, device=w.device, dtype=w.dtype)
     causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
-    g = model.streams_in_pass(n_drafts)
+    g = model.streams_in_pass(draft_depth)
     window = attention_window(stream_rows_mask(causal, g, stream_idx=last), cache_slots, w.dtype)
     main_logits, draft_logits = model.forward_nodes(idx, torch.arange(n, device=w.device), cache.mask(window),
-                                                    cache=cache, stream_idx=last, n_drafts=n_drafts, main_idx=last)
+                                                    cache=cache, stream_idx=last, draft_depth=draft_depth, main_idx=last)
     cache.advance(last[:, 0] + 1)
     return cache, main_logits[:, 0], (draft_logits[:, 0].contiguous() if draft_logits is not None else None)
 
@@ -282,9 +282,9 @@ class Batch:
     compiled steps a finished row rides along, its tokens dropped, until half the batch is
     done: each new batch size is a new graph, so the batch shrinks by halves (`_step`)."""
 
-    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, n_drafts, cache_slots, sampler, max_rows=None):
+    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, draft_depth, cache_slots, sampler, max_rows=None):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
-        self.n_drafts, self.slots, self.sampler = n_drafts, cache_slots, sampler
+        self.draft_depth, self.slots, self.sampler = draft_depth, cache_slots, sampler
         self.stats, self.t0 = Stats(passes=0, row_seconds=[0.0] * len(prompts)), time.perf_counter()
         self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens: what a rebuilt window holds
         self.out = [[] for _ in prompts]
@@ -296,7 +296,7 @@ class Batch:
         self.rows, self.queue = self.queue[:n], self.queue[n:]  # the prompt in each row
         self.lengths = [len(self.ctx[b]) for b in self.rows]  # the host's copy of cache.length, from the tokens it emits
         self.out_root = [None] * n  # each row's root: the last token it emitted, cached by the next pass
-        self.cache, logits, self.drafts = _prefill(model, [self.ctx[b] for b in self.rows], n_drafts, cache_slots)
+        self.cache, logits, self.drafts = _prefill(model, [self.ctx[b] for b in self.rows], draft_depth, cache_slots)
         self.stats.passes = 1
         self.roots = sampler.pick(logits)  # the same roots on the device
         self.going = self.emit([[t] for t in self.roots.tolist()], cached=False)
@@ -347,7 +347,7 @@ class Batch:
             for i in full:
                 self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
                 self.lengths[i] = T // 2
-            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.n_drafts, self.slots))
+            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.draft_depth, self.slots))
         return len(self.done) < len(self.out)
 
     def join(self, free):
@@ -355,7 +355,7 @@ class Batch:
         for i in free:
             b = self.rows[i] = self.queue.pop(0)
             self.lengths[i], self.started[b] = len(self.ctx[b]), time.perf_counter()
-        cache, logits, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in free], self.n_drafts, self.slots)
+        cache, logits, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in free], self.draft_depth, self.slots)
         self._fill(free, (cache, logits, drafts))
         roots = self.sampler.pick(logits)
         self.roots[torch.tensor(free, device=roots.device)] = roots
@@ -388,7 +388,7 @@ def ar_window(cache):
 def ar_step(model, cache, root, sampler, window):
     """One autoregressive pass over the batch: cache each row's root (B,), return the token after it (B,)."""
     main_logits, _ = model.forward_nodes(root[:, None], cache.length[:, None], cache.mask(window),
-                                         cache=cache, n_drafts=0)
+                                         cache=cache, draft_depth=0)
     cache.advance(1)
     return sampler.pick(main_logits[:, 0])
 
@@ -440,7 +440,7 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     else:
         positions = (cache.length[:, None] + shape.depth).clamp(max=T - 1)  # deeper nodes are never accepted
         main_logits, all_drafts = model.forward_nodes(tokens, positions, cache.mask(shape.window), cache=cache,
-                                                      n_drafts=tree.n_drafts)
+                                                      draft_depth=tree.draft_depth)
     # 3. verify: the token the target emits at every node; a node is accepted when every node on
     # its path carries the token its parent emitted (children hold distinct tokens: one per depth)
     ys = sampler.verify(main_logits, draft_probs, ranked, shape)
@@ -459,13 +459,13 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     return emitted, root, all_drafts[shape.row, last], step
 
 
-def _on_pass(on_pass, L, draft_logits, step, a, root, n_drafts):
+def _on_pass(on_pass, L, draft_logits, step, a, root, draft_depth):
     """Hand one pass of a single sequence to on_pass as plain lists (trace.py)."""
     on_pass(dict(cache_length=L, draft_logits=draft_logits[0], draft_probs=None if step["draft_probs"] is None
                  else step["draft_probs"][0], drafted_tokens=step["drafted"]["tokens"][0],
                  drafted_shape=step["drafted"]["shape"].host(), tokens=step["tokens"][0].tolist(),
                  shape=step["shape"].host(), ys=step["ys"][0].tolist(), path=step["path"][0, :a].tolist(),
-                 next_root=int(root[0]), n_drafts=n_drafts))
+                 next_root=int(root[0]), draft_depth=draft_depth))
 
 
 @decoding_kernels
@@ -495,9 +495,9 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         raise ValueError("on_pass records the passes of one prompt: give one prompt")
     T = cfg.block_size
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
-    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.n_drafts, tree.max_len, sampler, batch_size)
+    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len, sampler, batch_size)
     go = rows.going
-    one_step, V, n, D = _step(model, speculative_step), cfg.vocab_size, len(tree), tree.n_drafts
+    one_step, V, n, D = _step(model, speculative_step), cfg.vocab_size, len(tree), tree.draft_depth
     while go:
         B = len(rows.rows)
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
@@ -508,6 +508,6 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         rows.stats.passes += 1
         rows.stats.nodes.append(step["shape"].n_nodes)
         if on_pass is not None:
-            _on_pass(on_pass, L, draft_logits, step, emitted[0][0], rows.roots, tree.n_drafts)
+            _on_pass(on_pass, L, draft_logits, step, emitted[0][0], rows.roots, tree.draft_depth)
         go = rows.emit([path[1:a] + [y] for a, *path, y in emitted])
     return rows.finish(single)

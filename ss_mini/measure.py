@@ -131,14 +131,14 @@ def machine(device, dtype):
                 dtype=str(dtype).replace("torch.", ""))
 
 
-def products(model, n_nodes, n_drafts=None, batch_size=1):
+def products(model, n_nodes, draft_depth=None, batch_size=1):
     """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
     the rows that the pass carries (n_nodes main rows below the multi-stream layers,
     n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
     rows and the draft logits of one node (one head call for all rows of a small pass, as
-    GPT.forward_top makes it). n_drafts=0: an autoregressive pass (one row everywhere, no
+    GPT.forward_top makes it). draft_depth=0: an autoregressive pass (one row everywhere, no
     draft logits). Returns a function that runs them."""
-    cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(n_drafts)
+    cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(draft_depth)
     first = model.first_msa_layer(g)
     n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
@@ -155,7 +155,7 @@ def products(model, n_nodes, n_drafts=None, batch_size=1):
         model.lm_head(x[n])
         if g:
             model.lm_head(x[n * g])
-        elif n_drafts != 0:
+        elif draft_depth != 0:
             medusa_logits(model, x[n])
     return run
 
@@ -216,7 +216,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
     sampler = Sampler(0.0, None, None, None, dev)
     rows = [list(context)] * batch_size  # every row the same: a batch of batch_size
-    caches = {n: _prefill(model, rows, t.n_drafts, t.max_len) for n, t in trees.items()}
+    caches = {n: _prefill(model, rows, t.draft_depth, t.max_len) for n, t in trees.items()}
     caches["ar"] = _prefill(model, rows, 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
     max_depth = T - 1 - caches["ar"][0].length
@@ -230,9 +230,9 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
         cache, _, q = caches[n]
         spec(model, cache, root, q, t, sampler, max_depth)[0].tolist()
 
-    steps_of = {"ar": ar, "products ar": products(model, 1, n_drafts=0, batch_size=batch_size),
+    steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),
                 **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},
-                **{f"products {n}": products(model, n, t.n_drafts, batch_size) for n, t in trees.items()}}
+                **{f"products {n}": products(model, n, t.draft_depth, batch_size) for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)

@@ -212,26 +212,26 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ the forward pass
 
-    def streams_in_pass(self, n_drafts):
-        """How many streams a pass runs. n_drafts, wherever it is passed: None = all gamma,
+    def streams_in_pass(self, draft_depth):
+        """How many streams a pass runs. draft_depth, wherever it is passed: None = all gamma,
         0 = none (a plain pass), g = the first g. Stream j attends to streams <= j only (Eq. 2),
         so the first g come out the same whatever g is: a tree draft D deep needs D of them.
         For Medusa, 0 means no drafts and anything else all K heads."""
         g = self.config.n_streams
-        return g if n_drafts is None else min(g, n_drafts)
+        return g if draft_depth is None else min(g, draft_depth)
 
     def first_msa_layer(self, g):
         """The first layer of a pass that runs g streams (n_layer: none, all layers are plain)."""
         cfg = self.config
         return cfg.n_layer - cfg.n_msa_layers if g else cfg.n_layer
 
-    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, n_drafts=None, main_idx=None):
+    def forward_nodes(self, idx, pos, mask=None, cache=None, stream_idx=None, draft_depth=None, main_idx=None):
         """Run main nodes idx (B, n) at positions pos ((B, n) or (n,)) and the streams of some of them.
 
         mask: the pass's attention mask (masks.py): over the pass's own rows [n main nodes; their
         stream rows] without a cache (training), over all the cache's slots with one
         (decoding, `KVCache.mask`). stream_idx: the nodes that carry streams, (m,) or (B, m) per
-        row (None = all). n_drafts: see `streams_in_pass`. main_idx: the main rows whose logits
+        row (None = all). draft_depth: see `streams_in_pass`. main_idx: the main rows whose logits
         are wanted, (k,) or (B, k) (None = all).
         Returns (main logits (B, k, V), draft logits (B, m, g, V): the g streams' logits at
         each streamed node; or Medusa's K heads there; None when the pass drafts nothing).
@@ -239,24 +239,24 @@ class GPT(nn.Module):
         them, one call gives all their logits, reading the head once as an autoregressive step
         does (kernels.py).
         """
-        x = self.forward_bottom(idx, pos, mask, cache, n_drafts)
-        return self.forward_top(x, mask, stream_idx=stream_idx, cache=cache, n_drafts=n_drafts, main_idx=main_idx)
+        x = self.forward_bottom(idx, pos, mask, cache, draft_depth)
+        return self.forward_top(x, mask, stream_idx=stream_idx, cache=cache, draft_depth=draft_depth, main_idx=main_idx)
 
-    def forward_bottom(self, idx, pos, mask=None, cache=None, n_drafts=None):
+    def forward_bottom(self, idx, pos, mask=None, cache=None, draft_depth=None):
         """Embeddings and the layers below stream insertion: main rows only."""
         n = idx.shape[1]
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x) if self.training else x
         if mask is not None:  # the main rows; without a cache also only their keys
             mask = mask[..., :n, :] if cache is not None else mask[..., :n, :n]
-        for i in range(self.first_msa_layer(self.streams_in_pass(n_drafts))):
+        for i in range(self.first_msa_layer(self.streams_in_pass(draft_depth))):
             x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
-    def forward_top(self, x, mask=None, stream_idx=None, cache=None, n_drafts=None, main_idx=None):
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, draft_depth=None, main_idx=None):
         """Stream insertion (Eq. 3), the multi-stream attention layers (Eq. 2) and the heads."""
         cfg = self.config
-        n, g = x.shape[1], self.streams_in_pass(n_drafts)
+        n, g = x.shape[1], self.streams_in_pass(draft_depth)
         if g:  # stream insertion, Eq. 3 (f_eta = identity): S_{t,j} = M_t + P_j
             x = torch.cat([x, (_rows(x, stream_idx).unsqueeze(2) + self.stream_emb[:g]).flatten(1, 2)], dim=1)
         for i in range(self.first_msa_layer(g), cfg.n_layer):
@@ -269,7 +269,7 @@ class GPT(nn.Module):
                 return self.lm_head(main), self.lm_head(streams).unflatten(1, (-1, g))
             logits = self.lm_head(x if main_idx is None else torch.cat([main, streams], dim=1))
             return logits[:, :k], logits[:, k:].unflatten(1, (-1, g))
-        if cfg.n_medusa_heads and n_drafts != 0:  # Medusa drafts from the main hidden states
+        if cfg.n_medusa_heads and draft_depth != 0:  # Medusa drafts from the main hidden states
             return self.lm_head(main), medusa_logits(self, _rows(x, stream_idx))
         return self.lm_head(main), None
 

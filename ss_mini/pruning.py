@@ -39,7 +39,7 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
     """
     L, n = int(cache.length[0]), shape.n_nodes
     positions = (cache.length[:, None] + shape.depth).clamp(max=model.config.block_size - 1)
-    h = model.forward_bottom(tokens, positions, cache.mask(shape.window), cache, tree.n_drafts)
+    h = model.forward_bottom(tokens, positions, cache.mask(shape.window), cache, tree.draft_depth)
     if n > 1:
         parents = shape.parent[0].tolist()
         early_probs = torch.softmax(model.prune_adapter.early_logits(model, h[0, parents[1:]]).float(), dim=-1)
@@ -55,4 +55,4 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
             cache.kv[:first_msa, ..., L:L + len(kept), :] = cache.kv[:first_msa, ..., L + k, :]
             h, tokens = h[:, k], tokens[:, k]
     return (tokens, shape, *model.forward_top(h, cache.mask(shape.window), cache=cache,
-                                              n_drafts=tree.n_drafts))
+                                              draft_depth=tree.draft_depth))

@@ -106,7 +106,7 @@ def record(step, decode):
         nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u], parent=p,
                           rank=drafted.ranks[u], q_prob=q_prob[u], emitted=emitted[u],
                           emitted_text=None if emitted[u] is None else decode([emitted[u]]), status=status))
-    g = step["n_drafts"]
+    g = step["draft_depth"]
     mask = shape.mask(L)
     if mask.shape[0] != shape.n_nodes * (1 + g):
         raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes with {g} streams each")

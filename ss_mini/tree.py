@@ -22,7 +22,7 @@ So a pass always carries n nodes per row, and a shape is data, never read by the
 (a Cartesian tree's rows are all alike and built once per batch size; a budget tree's
 differ and are made at every step, on the device).
 
-A tree bound to a model knows how many depths it drafts (`n_drafts`: its depth, at most
+A tree bound to a model knows how many depths it drafts (`draft_depth`: its depth, at most
 gamma): its passes run that many streams, since deeper ones would draft tokens no node holds.
 """
 import itertools
@@ -131,12 +131,12 @@ class _Tree:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
         # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_streams), and
         # at least one, so that every pass drafts for the next
-        n_drafts = max(1, min(self.max_depth, config.n_drafts))
+        draft_depth = max(1, min(self.max_depth, config.n_drafts))
         width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
-        key = (n_drafts, config.block_size, str(torch.device(device)), dtype, width)
+        key = (draft_depth, config.block_size, str(torch.device(device)), dtype, width)
         if getattr(self, "_key", None) != key:
-            self._key, self.n_drafts, self.width = key, n_drafts, width
-            self.max_len = config.block_size + len(self) * (1 + n_drafts)  # the cache: accepted + a pass's rows
+            self._key, self.draft_depth, self.width = key, draft_depth, width
+            self.max_len = config.block_size + len(self) * (1 + draft_depth)  # the cache: accepted + a pass's rows
             self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
             self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
             self._fixed = None  # a Cartesian tree's one shape, for the last batch size
@@ -147,7 +147,7 @@ class _Tree:
 
     def subshape(self, shape, kept):
         """The shape of the nodes `kept` (ascending indices, closed under parents) of a one-row shape."""
-        return TreeShape(self.template, shape.sel[:, kept], self.n_drafts, self.max_len, self.width)
+        return TreeShape(self.template, shape.sel[:, kept], self.draft_depth, self.max_len, self.width)
 
 
 class CartesianTree(_Tree):
@@ -178,7 +178,7 @@ class CartesianTree(_Tree):
         if self._fixed is None or self._fixed.n_rows != B:
             t = self.template
             sel = torch.arange(t.size, device=t.depth.device).expand(B, -1)
-            self._fixed = TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
+            self._fixed = TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
         return self._fixed
 
     def __repr__(self):
@@ -211,7 +211,7 @@ class BudgetTree(_Tree):
         template order among ties, so the n best are a tree: a parent before its children."""
         t = self.template
         q = torch.softmax(draft_logits.float(), dim=-1) if draft_probs is None else draft_probs.float()
-        logq = torch.topk(q[:, :self.n_drafts], self.width, dim=-1).values.clamp_min(1e-30).log().flatten(1)
+        logq = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values.clamp_min(1e-30).log().flatten(1)
         step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
         step[:, 0] = 0.0
         score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
@@ -219,7 +219,7 @@ class BudgetTree(_Tree):
         if max_depth is not None:
             score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
         sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes].sort(dim=1).values
-        return TreeShape(t, sel, self.n_drafts, self.max_len, self.width)
+        return TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
 
     def __repr__(self):
         return f"n{self.n_nodes}"

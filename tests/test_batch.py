@@ -142,7 +142,7 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     model = random_model(seed=2, std=0.4)
     tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64)
     sampler = generate.Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
-    cache, logits, drafts = generate._prefill(model, [[1, 2, 3], [4, 5]], tree.n_drafts, tree.max_len)
+    cache, logits, drafts = generate._prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
     root = sampler.pick(logits)
     with torch.inference_mode():
         generate.speculative_step(model, cache, root, drafts, tree, sampler, 31 - cache.length)  # shapes built

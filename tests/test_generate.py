@@ -128,7 +128,7 @@ def test_cartesian_tree_shape():
 def test_a_tree_runs_as_many_streams_as_it_is_deep():
     """A pass runs the streams of the depths its tree drafts, no more (at least one)."""
     cfg = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=16, vocab_size=11, n_streams=4, n_msa_layers=1)
-    drafts = {spec: make_tree(spec, 4).bind(cfg, "cpu", torch.float32).n_drafts
+    drafts = {spec: make_tree(spec, 4).bind(cfg, "cpu", torch.float32).draft_depth
              for spec in ("2,1", "3,2,1", "chain", "n1", "n2", "n4", "n5", "n16")}
     assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
@@ -376,11 +376,11 @@ def test_pruning_keeps_the_cache_consistent():
         model.prune_adapter.up.weight.normal_(0, 0.3)
     ctx = [1, 2, 3, 4]
     tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
-    cache, _, _ = _prefill(model, [ctx], tree.n_drafts, tree.max_len)
+    cache, _, _ = _prefill(model, [ctx], tree.draft_depth, tree.max_len)
     # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the template
-    paths = tree.paths(tree.n_drafts, tree.width)
+    paths = tree.paths(tree.draft_depth, tree.width)
     sel = torch.tensor([[paths.index(p) for p in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]]])
-    shape = TreeShape(tree.template, sel, tree.n_drafts, tree.max_len, tree.width)
+    shape = TreeShape(tree.template, sel, tree.draft_depth, tree.max_len, tree.width)
     assert shape.host().parents == [-1, 0, 0, 1, 1, 2, 3] and shape.host().ranks == [0, 0, 1, 0, 1, 0, 0]
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0]])
     tokens_k, shape_k, main, drafts = pruned_pass(model, tokens, shape, tree, cache, 0.09)
@@ -397,7 +397,7 @@ def test_pruning_keeps_the_cache_consistent():
     torch.testing.assert_close(main[0, leaf], ref[0, -1], rtol=0, atol=1e-10)
     torch.testing.assert_close(drafts[0, leaf], ref_streams[0, -1], rtol=0, atol=1e-10)  # the next drafts too
     cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
-    fresh, _, _ = _prefill(model, [seq], tree.n_drafts, tree.max_len)
+    fresh, _, _ = _prefill(model, [seq], tree.draft_depth, tree.max_len)
     assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
     torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)
 
@@ -421,21 +421,21 @@ def test_products_are_those_of_a_tree_pass(drafter):
     with torch.no_grad():
         for n in (1, 4, 16):
             tree = BudgetTree(n, model.config.n_drafts).bind(model.config, "cpu", torch.float32)
-            cache, _, draft_logits = _prefill(model, [[1, 2, 3]], tree.n_drafts, tree.max_len)
+            cache, _, draft_logits = _prefill(model, [[1, 2, 3]], tree.draft_depth, tree.max_len)
             seen.clear()
             speculative_step(model, cache, root, draft_logits, tree, sampler, torch.tensor([20]))
             step, seen[:] = list(seen), []
-            products(model, n, tree.n_drafts)()
+            products(model, n, tree.draft_depth)()
             assert seen == step, n
             if drafter == "streams":  # both forms of the head: one call (n = 1, 4), two calls (n = 16)
-                g = tree.n_drafts
+                g = tree.draft_depth
                 heads = [rows for name, rows in step if name == "lm_head"]
                 assert heads == ([n * (1 + g)] if n * (1 + g) <= HEAD_ROWS else [n, n * g]), (n, heads)
         cache, _, _ = _prefill(model, [[1, 2, 3]], 0, model.config.block_size)
         seen.clear()
         ar_step(model, cache, root, sampler, ar_window(cache))
         step, seen[:] = list(seen), []
-        products(model, 1, n_drafts=0)()
+        products(model, 1, draft_depth=0)()
         assert seen == step and {rows for _, rows in step} == {1}
     for h in hooks:
         h.remove()

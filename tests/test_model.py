@@ -326,7 +326,7 @@ def test_incremental_decoding_equals_full_forward(monkeypatch):
 
 
 def test_a_pass_runs_the_first_streams_only():
-    """n_drafts=g runs streams 1..g: they equal those of a pass with all gamma streams (stream j
+    """draft_depth=g runs streams 1..g: they equal those of a pass with all gamma streams (stream j
     attends to streams <= j only, Eq. 2), and the main stream is unchanged."""
     model = random_model(std=0.3)
     cache, _, _ = _prefill(model, [1, 2, 3, 4, 5])
@@ -335,7 +335,7 @@ def test_a_pass_runs_the_first_streams_only():
     main, drafts = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, 3), cache=cache)
     assert drafts.shape == (1, 4, 3, 11)
     for g in (1, 2):
-        m, d = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, g), cache=cache, n_drafts=g)
+        m, d = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, g), cache=cache, draft_depth=g)
         assert d.shape == (1, 4, g, 11)
         torch.testing.assert_close(m, main, rtol=0, atol=1e-10)
         torch.testing.assert_close(d, drafts[..., :g, :], rtol=0, atol=1e-10)

@@ -189,7 +189,7 @@ def test_lossless_fine_tune_then_sample_and_bench(tmp_path, capsys):
     assert trained.transformer.h[1].attn.stream_adapter.up.weight.abs().sum() > 0  # the streams trained
     idx = torch.tensor([tok.encode(TEXT[:30])])
     with torch.no_grad():  # the main stream alone, as generate_ar computes it: bit-identical to nanoGPT's model
-        main, _ = trained.forward_nodes(idx, torch.arange(30), tree_mask(range(-1, 29)), n_drafts=0)
+        main, _ = trained.forward_nodes(idx, torch.arange(30), tree_mask(range(-1, 29)), draft_depth=0)
         assert torch.equal(main, base(idx)[0])
         torch.testing.assert_close(main, reference_logits(sd, 2, idx), rtol=0, atol=1e-5)
     capsys.readouterr()

@@ -55,7 +55,7 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     idx = torch.tensor([tok.encode("def main():")])
     with torch.no_grad():  # the main stream alone, as generate_ar computes it: bit-identical to the base
         main, _ = trained.forward_nodes(idx, torch.arange(idx.shape[1]), tree_mask(range(-1, idx.shape[1] - 1)),
-                                        n_drafts=0)
+                                        draft_depth=0)
         assert torch.equal(main, base(idx)[0])
         with_streams = trained(idx)[0]  # in a pass that also carries stream rows, matmul shapes differ
         torch.testing.assert_close(with_streams, main, rtol=0, atol=1e-5)

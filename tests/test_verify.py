@@ -65,7 +65,7 @@ def test_vectorised_verify_is_the_reference_rule(tree, kw):
     t = make_tree(tree, 3).bind(config, "cpu", torch.float64)
     for seed in range(25):
         main_logits, draft_logits = _random_logits(seed, config.vocab_size, ties)
-        draft_logits = draft_logits[None, :t.n_drafts]  # a batch of one row, as speculative_step drafts it
+        draft_logits = draft_logits[None, :t.draft_depth]  # a batch of one row, as speculative_step drafts it
         sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), seed, "cpu")
         ranked, draft_probs = sampler.draft(draft_logits, t.width)
         shape = t.shape(draft_logits, draft_probs, max_depth=torch.tensor([3]))
