@@ -20,6 +20,7 @@ the attention mask it used (ss_mini/trace.py); the page opens from disk in any b
 """
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -46,7 +47,7 @@ config = dict(
     prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank; greedy only)
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
-    compile=False,  # compile the forward pass (torch.compile): the first sample pays about a minute on a CPU
+    compile=False,  # compile each decoding step whole (torch.compile); compiling takes tens of seconds first
     trace="",  # FILE.html or FILE.json: record every pass of the first sample (with --speculative)
 )
 RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0), top_k=at_least(0),
@@ -141,6 +142,13 @@ def main(argv=None):
     if n == 1:
         sys.stdout.write(tok.decode(prompt))
     prompts = [prompt] * n  # the samples decode as one batch
+    if cfg["compile"]:  # compile the steps on a short decode of the same batch, and say how long it took
+        t0, warm = time.perf_counter(), dict(kw, on_tokens=None)
+        if speculative:
+            generate_speculative(model, prompts, 2, tree, prune_threshold=cfg["prune_threshold"], **warm)
+        else:
+            generate_ar(model, prompts, 2, **warm)
+        print(f"torch.compile: {time.perf_counter() - t0:.1f} s to compile the steps", file=sys.stderr)
     if speculative:
         outs, stats = generate_speculative(model, prompts, cfg["max_new_tokens"], tree,
                                            prune_threshold=cfg["prune_threshold"],

@@ -39,6 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .kernels import decoding_kernels
 from .kvcache import KVCache
@@ -209,8 +210,15 @@ def _step(model, step):
     if not getattr(model, "compile_steps", False) or device == "mps":
         return step
     if (step, device) not in _COMPILED:
-        how = dict(mode="reduce-overhead") if device == "cuda" else dict(options={"cpp_wrapper": True})
-        _COMPILED[step, device] = torch.compile(step, fullgraph=True, **how)
+        if device == "cuda":  # CUDA graphs: a replay writes its outputs into the same buffers, so keep copies
+            graph = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+
+            def fn(*args, **kwargs):
+                torch.compiler.cudagraph_mark_step_begin()
+                return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
+        else:
+            fn = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})
+        _COMPILED[step, device] = fn
     return _COMPILED[step, device]
 
 
