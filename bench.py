@@ -63,7 +63,7 @@ config = dict(
     batch_sweep=False,  # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
     batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each batch size
     max_batch_size=1024,  # --batch_sweep: 1, 2, 4, ..., 32, and on while plain decoding still gains 10%, up to this
-    calibration_tokens=128,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
+    calibration_tokens=256,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
     tie_margin=0.02,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
     repeats=3,  # measurement runs after one tree search: the report gives the median speedup and its range
     suite=False,  # every row of the README's results table and a worked example, as Markdown (or --json)
@@ -284,15 +284,15 @@ def batch_sweep(cfg, device, dtype, progress, log):
     while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
         batches, kw = batched(prompts, B), {**kw, "batch_size": B}
-        tree = choose_tree(model, batched(calibration, B, waves=2), search, kw, lambda *a: None)
+        tree = choose_tree(model, batched(calibration, B, waves=1), search, kw, lambda *a: None)
         r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
         rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
                          rows=sum(map(len, batches)) if B > 1 else len(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode_of(cfg['temperature'])}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
-        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same prompts, B at once (a prompt "
-        "that finishes hands its row to the next), interleaved:")
+        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same batches of B prompts (rows "
+        "leave as they finish), interleaved:")
     log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
         f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
     for r in rows:
@@ -302,8 +302,8 @@ def batch_sweep(cfg, device, dtype, progress, log):
     stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
     log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
         f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
-    log("latency: the mean time from a prompt taking a row to its output being complete; identical: greedy outputs "
-        "equal to plain decoding's, per prompt")
+    log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
+        "decoding's, per prompt")
     if cfg["plot"]:
         plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
         log(f"batch sweep plotted in {cfg['plot']}")
@@ -367,7 +367,7 @@ def bench(cfg, device, dtype, progress):
     n = f"{sum(map(len, prompts))} {where} prompts, {B} at once" if B > 1 else f"{len(prompts)} {where} prompts"
     answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, {mode_of(cfg['temperature'])}: "
               f"{cfg['out_dir']}, {n} x {kw['max_new_tokens']} new tokens"] + \
-        [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5)
+        [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5 and tree is not None)
     log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
         f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {n} x {kw['max_new_tokens']} new "
         f"tokens, {mode_of(cfg['temperature'])}, tree {tree_name(tree)}:")

@@ -217,7 +217,8 @@ def _step(model, step):
                 torch.compiler.cudagraph_mark_step_begin()
                 return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
         else:
-            fn = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})
+            # one compile thread: a pool of compile workers left beside the decoder slows it on a few cores
+            fn = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True, "compile_threads": 1})
         _COMPILED[step, device] = fn
     return _COMPILED[step, device]
 

@@ -125,16 +125,15 @@ def choose_tree(model, calibration, cfg, kw, log):
     return tree
 
 
-def batched(prompts, batch_size, waves=4):
+def batched(prompts, batch_size, waves=2):
     """The prompts for batches of batch_size rows: at least waves x batch_size prompts (and every
     prompt once), drawn in turn from the prompt set, each keeping a different number of its last
-    tokens (half to all) so that a batch mixes lengths, in groups of 2 x batch_size (so that
-    interleaved decoders take turns going first); the decoders take a group batch_size at a
-    time, the next prompt taking the row of one that finishes. batch_size 1: the prompts as
-    they are, one by one."""
+    tokens (half to all) so that a batch mixes lengths, in groups of batch_size (so that
+    interleaved decoders take turns going first); a group decodes as one batch, its rows
+    leaving as they finish. batch_size 1: the prompts as they are, one by one."""
     if batch_size == 1:
         return prompts
-    group = 2 * batch_size
+    group = batch_size
     n = -(-max(len(prompts), waves * batch_size) // group) * group
     rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):] for i in range(n)]
     return [rows[i:i + group] for i in range(0, n, group)]
