@@ -382,7 +382,8 @@ def bench(cfg, device, dtype, progress):
         unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
     if cfg["temperature"] == 0:
         div = r["first_divergence"]
-        log(f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the lowest of all runs)"
+        log(f"  greedy outputs identical to plain decoding on {100 * r['match_rate']:.0f}% of prompts (in every run)"
+            if r["match_rate"] == 1 else f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the lowest run)"
             + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
     roof = roofline(model, B, device, dtype, {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})

@@ -106,7 +106,7 @@ def main(argv=None):
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    print(f"{cfg['out_dir']} on {device} ({dtype})" + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
+    print(f"model {cfg['out_dir']}/ckpt.pt on {device} ({dtype})" + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
     if cfg["compile"]:
         model = compiled(model)
     if text:
