@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from .generate import (Sampler, _prefill, _step, ar_step, ar_window, generate_ar, generate_speculative,
-                       speculative_step)
+from .generate import _prefill, _step, ar_step, ar_window, generate_ar, generate_speculative, speculative_step
 from .kernels import HEAD_ROWS
 from .medusa import medusa_logits
+from .sampling import Sampler
 from .tree import BudgetTree
 
 

@@ -8,6 +8,7 @@ from test_generate import SAMPLING, _chi_square_ok, _exact_first_tokens
 from ss_mini import generate
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.kvcache import KVCache
+from ss_mini.sampling import Sampler
 from ss_mini.tree import make_tree
 
 
@@ -141,7 +142,7 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     the decoders read once per step: the tokens they emit."""
     model = random_model(seed=2, std=0.4)
     tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64)
-    sampler = generate.Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
+    sampler = Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
     cache, logits, drafts = generate._prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
     root = sampler.pick(logits)
     with torch.inference_mode():

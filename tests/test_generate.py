@@ -8,7 +8,8 @@ import torch
 from conftest import random_model
 
 from ss_mini.checkpoint import load_model
-from ss_mini.generate import Sampler, compiled, generate_ar, generate_speculative, target_probs
+from ss_mini.generate import compiled, generate_ar, generate_speculative
+from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree
 
@@ -409,7 +410,7 @@ def test_products_are_those_of_a_tree_pass(drafter):
     layers, n (1 + g) in them, then the LM head: once over all rows of a small pass, else on the
     main rows and then on all stream rows; Medusa's heads on the main rows) and of an
     autoregressive step."""
-    from ss_mini.generate import Sampler, _prefill, ar_step, ar_window, speculative_step
+    from ss_mini.generate import _prefill, ar_step, ar_window, speculative_step
     from ss_mini.kernels import HEAD_ROWS
     from ss_mini.measure import products
     kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)

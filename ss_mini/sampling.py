@@ -1,0 +1,126 @@
+"""The sampling rule of both decoders, in one place (`Sampler`): the next token, the ranked
+draft candidates of each depth and the token the target emits at each tree node, greedy or
+by speculative sampling (docs/sampling.md)."""
+import torch
+
+
+def target_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """The distribution that plain sampling draws from: softmax(logits / T), restricted to
+    the top_k tokens and to the smallest set whose mass reaches top_p."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already reaches top_p
+        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _race(weights, u):
+    """Keys of the exponential race, log(U) / w = -E / w with E = -log U ~ Exp(1) for uniform U (u):
+    their argmax is a draw from the weights w (normalised or not), their top k in order a draw
+    of k without replacement (Gumbel-top-k), and a token of weight 0 gets -inf, never drawn
+    while another can be; no host sync (gpt-fast samples so). E comes as -log U because
+    uniform_ and log_ are cheaper than exponential_ on a CPU (docs/step-cost.md)."""
+    return u.log() / weights
+
+
+class Sampler:
+    """The sampling rule, in one place: the next token (`pick`), the ranked draft candidates
+    of each depth (`draft`) and the token the target emits at each tree node (`verify`).
+
+    Greedy (temperature 0): argmax everywhere; the candidates are the top-k tokens of q_j.
+
+    Sampling: speculative sampling on the tree (Leviathan et al. 2023, Chen et al. 2023;
+    several children per node: SpecInfer, Miao et al. 2023; drafts without replacement:
+    Jeon et al. 2024, "Recursive Speculative Decoding"). p is the target distribution at a
+    node and q the draft distribution of the depth below it, both after the same
+    temperature, top-k and top-p. The candidates of a depth are a sample from q without
+    replacement, in order (Gumbel-top-k); a node's children hold ranks 0..m-1 of it. At a
+    node the children are tried in rank order: child x is accepted with probability
+    min(1, p(x)/q(x)); on rejection p becomes the residual norm(max(0, p - q)) and x is
+    removed from q (renormalised), and the next child is tried; when none is left, the
+    token is drawn from the residual. Each round emits a token distributed as its p, so
+    the token at every node is distributed exactly as plain sampling's, whatever q is: the
+    method stays lossless, and a draft is accepted with probability about 1 - TV(p, q)
+    instead of p(x). A tree's shape must not depend on the sampled tokens, only on q
+    (tree.py): a shape chosen by the sample would bias it. All draws come from one
+    generator, in bulk, on the device (`uniform`).
+    """
+
+    def __init__(self, temperature, top_k, top_p, seed, device):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.gen = None
+        if temperature > 0:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.drawn = {}  # uniforms drawn ahead of a compiled step, by use
+
+    def uniform(self, use, like):
+        """Uniform draws shaped like `like` for one use in a step ('pick', 'draft', 'verify',
+        'residual'): drawn now, or taken from `draw_ahead`."""
+        u = self.drawn.pop(use, None)
+        return torch.rand(like.shape, generator=self.gen, device=like.device) if u is None else u
+
+    def draw_ahead(self, **shapes):
+        """The draws of the next step, made before it: a compiled step cannot call the generator."""
+        if self.gen is not None:
+            self.drawn = {use: torch.rand(shape, generator=self.gen, device=self.gen.device) for use, shape in shapes.items()}
+
+    def probs(self, logits):
+        return target_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits):  # (..., V) -> (...)
+        if self.gen is None:
+            return logits.argmax(-1)
+        p = self.probs(logits)
+        return _race(p, self.uniform("pick", p)).argmax(-1)
+
+    def draft(self, draft_logits, width):
+        """(ranked candidates (..., depths, width), draft probabilities (..., depths, V) or None
+        when greedy) from the draft logits (..., depths, V) of the last accepted position."""
+        if self.gen is None:
+            return torch.topk(draft_logits, width, dim=-1).indices, None
+        draft_probs = self.probs(draft_logits)
+        return torch.topk(_race(draft_probs, self.uniform("draft", draft_probs)), width, dim=-1).indices, draft_probs
+
+    def verify(self, main_logits, draft_probs, ranked, shape):
+        """The token the target emits at each node (..., n_nodes): argmax, or speculative
+        sampling (recursive rejection over the node's children; see the class docstring, and
+        tests/test_generate.py `verify_reference` for the same rule one node at a time).
+        main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`.
+
+        Vectorised over the nodes of every row: in round r every node that has an (r+1)-th
+        child and has accepted none tries it; the others sit the round out with q = 0
+        (`shape.tries`), which leaves their p as it is. A candidate that was never drawn (q's
+        support smaller than the width: the race ranks tokens with q(x) = 0 last) comes after
+        every token of the support, so by its round q is all zero: it is never accepted and
+        leaves p as it is too."""
+        if self.gen is None:
+            return main_logits.argmax(-1)
+        V = main_logits.shape[-1]
+        rows = shape.cand_row.expand(main_logits.shape[:-1])  # each node's children come from this depth
+        q = draft_probs.gather(-2, rows[..., None].expand(*rows.shape, V)).reshape(-1, V)
+        cand = ranked.gather(-2, rows[..., None].expand(*rows.shape, ranked.shape[-1]))  # child r holds cand[..., r]
+        tries = shape.tries.expand(cand.shape).reshape(-1, cand.shape[-1])
+        cand = cand.reshape(-1, cand.shape[-1])
+        p = p_target = self.probs(main_logits).reshape(-1, V)
+        u = self.uniform("verify", cand)
+        ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)
+        for r in range(shape.max_children):
+            x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
+            px, qx = p.gather(1, x), q.gather(1, x)
+            accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # probability min(1, p(x)/q(x)); never if q = 0
+            ys = torch.where(accept, x, ys)
+            p = (p - q).clamp_min_(0)  # rejected: p becomes the residual max(0, p - q) (q = 0: p stays) ...
+            if r + 1 < shape.max_children:  # ... normalised; x leaves q, renormalised; accepted nodes are done
+                p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
+                q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
+        # none accepted: draw from the residual; where p ~ q made it underflow to all zeros, from p itself
+        p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
+        ys = torch.where(ys >= 0, ys, _race(p, self.uniform("residual", p)).argmax(-1, keepdim=True))
+        return ys.view(main_logits.shape[:-1])
