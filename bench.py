@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ss_mini import plot
+from ss_mini.batch_sweep import batch_sweep
 from ss_mini.checkpoint import load_model, training_data
 from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.data import describe_fingerprint, load_split
@@ -266,50 +267,6 @@ def tree_name(tree):
     return f"{tree} ({len(tree)} nodes)" if tree else "none (plain decoding: no tree pays here)"
 
 
-SWEEP = (1, 2, 4, 8, 16, 32)
-
-
-def batch_sweep(cfg, device, dtype, progress, log):
-    """--batch_sweep: at each batch size B a tree search (the tree `none` among the candidates,
-    so speculation is off where no tree pays), then plain and speculative decoding of the same
-    batches, interleaved. Sizes 1..32, and on while plain decoding's throughput still grows by
-    10% a doubling. Returns the JSON result."""
-    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    if model.config.n_drafts == 0:
-        raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
-    prompts, calibration = pick_prompts(cfg, ckpt, tok)
-    kw = decode_kwargs(cfg, tok)
-    search = {**cfg, "tree": "auto", "candidates": cfg["batch_candidates"], "plot": ""}
-    rows, B = [], 1
-    while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
-        progress(f"bench: batch size {B}")
-        batches, kw = batched(prompts, B), {**kw, "batch_size": B}
-        tree = choose_tree(model, batched(calibration, B, waves=1), search, kw, lambda *a: None)
-        r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
-        rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
-                         rows=sum(map(len, batches)) if B > 1 else len(batches)))
-        B *= 2
-    log(f"model {cfg['out_dir']}, {mode_of(cfg['temperature'])}, {kw['max_new_tokens']} new tokens per prompt, "
-        f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
-        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same batches of B prompts (rows "
-        "leave as they finish), interleaved:")
-    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
-        f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
-    for r in rows:
-        log(f"{r['batch_size']:>5} {r['rows']:>7} {r['ar_tokens_per_s']:11.0f} {r['ss_tokens_per_s']:10.0f} "
-            f"{r['speedup']:7.2f}x {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
-            f"{r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
-    stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
-    log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
-        f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
-    log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
-        "decoding's, per prompt")
-    if cfg["plot"]:
-        plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
-        log(f"batch sweep plotted in {cfg['plot']}")
-    return {"batch_sweep": rows, "stops_paying_at": stop, "machine": machine(device, dtype)}
-
-
 def mode_of(temperature):
     return "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}"
 
@@ -452,7 +409,7 @@ def main(argv=None):
     elif cfg["compare"]:
         result = compare(cfg["compare"].split(","), cfg, device, getattr(torch, dtype), log)
     elif cfg["batch_sweep"]:
-        result = batch_sweep(cfg, device, dtype, progress, log)
+        result = batch_sweep(cfg, device, dtype, progress, log, mode_of(cfg["temperature"]))
     elif cfg["suite"]:
         import sample  # its defaults: the worked example's commands leave them out
         result = suite(cfg, config, sample.config, device, dtype, progress)

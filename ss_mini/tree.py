@@ -106,15 +106,15 @@ class Template:
         self.size, self.dtype = len(paths), dtype
         parent = [0] + [index[p[:-1]] for p in paths[1:]]
         ranks = [0] + [p[-1] for p in paths[1:]]
-        self.depths = [len(p) for p in paths]
-        D = max(self.depths)
+        depths = [len(p) for p in paths]
+        D = max(depths)
         self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # children hold ranks 0..m-1
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # the nodes root..u
         anc = torch.zeros(self.size, self.size, dtype=torch.bool)
         for u, nodes in enumerate(on_path):
             anc[u, nodes] = True
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-        self.parent, self.depth, self.rank = t(parent), t(self.depths), t(ranks)
+        self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
         self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
         self.anc = anc.to(device)
