@@ -142,6 +142,7 @@ def _free_memory(device):
         return None
 
 
+@torch.no_grad()
 def _prefill(model, ctxs, draft_depth, cache_slots):
     """One pass over each row's context, right-padded to the longest (a row's padding comes
     after its tokens, where nothing real looks): a new cache with these rows, the main logits at
@@ -270,7 +271,7 @@ class Batch:
 def ar_window(cache):
     """The attention window of a one-token pass: a row sees its prefix and itself (masks.py)."""
     one = torch.ones(1, 1, 1, dtype=torch.bool, device=cache.kv.device)
-    return attention_window(one, cache.kv.shape[4], cache.kv.dtype)
+    return attention_window(one, cache.kv.shape[2], cache.kv.dtype)
 
 
 def ar_step(model, cache, root, sampler, window):

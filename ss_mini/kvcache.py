@@ -20,65 +20,71 @@ class KVCache:
 
     def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32):
         hd = config.n_embd // config.n_head
-        self.kv = torch.zeros(config.n_layer, 2, batch_size, config.n_head, max_len, hd, device=device, dtype=dtype)
+        # (layer, row, slot, key or value, head, head dim): a slot's keys and values are one run of
+        # memory, so writing or moving a slot copies one vector (index_copy_ over flat slots)
+        self.kv = torch.zeros(config.n_layer, batch_size, max_len, 2, config.n_head, hd, device=device, dtype=dtype)
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slot = torch.arange(max_len, device=device)
         self._views()
 
     def _views(self):
-        """Where each (row, head) starts when the cache is seen as one flat run of slots, so that a
-        write by index copies whole vectors (index_copy_)."""
-        n_layer, two, B, H, S, hd = self.kv.shape
-        self.run = (torch.arange(B * H, device=self.kv.device) * S).view(B, H, 1)  # where each (row, head) starts
-        self._where = None  # this pass's write index, made once per pass
+        n_layer, B, S = self.kv.shape[:3]
+        self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S) in a flat layer
+        self._pass = None  # what every layer of this pass writes to: made by its first write
 
     def _index(self, slots):
-        """Flat indices of slots (B, R) in every head of their row: (B * H * R,)."""
-        return (self.run + slots[:, None, :]).flatten()
+        """Flat indices of slots (B, R) of each row: (B * R,)."""
+        return self.first_slot.gather(1, slots).flatten()
 
     def write(self, layer, kv):
-        """Store a pass's keys and values kv (2, B, H, R, hd) at slots L[b].. of each row; return
-        the keys and values of all slots."""
-        R = kv.shape[3]
-        if self._where is None or self._where[0] != R:
-            self._where = R, self._index(self.length[:, None] + self.slot[:R])
-        kv_layer = self.kv[layer]
-        kv_layer.view(2, -1, kv.shape[-1]).index_copy_(1, self._where[1], kv.reshape(2, -1, kv.shape[-1]))
-        return kv_layer[0], kv_layer[1]
+        """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row; return
+        the keys and values of all slots, (B, H, max_len, hd) each."""
+        R = kv.shape[1]
+        if self._pass is None:  # the pass's first layer: the views every layer uses
+            if kv.requires_grad:
+                raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
+                                   "torch.inference_mode()")
+            keys, values = self.kv.transpose(2, 4).unbind(3)  # (n_layer, B, H, S, hd) each
+            self._pass = {"flat": self.kv.flatten(1, 2).unbind(0), "keys": keys.unbind(0), "values": values.unbind(0)}
+        if R not in self._pass:  # where its rows go: the layers above stream insertion write more rows
+            self._pass[R] = self._index(self.length[:, None] + self.slot[:R])
+        where, flat, keys, values = self._pass[R], self._pass["flat"], self._pass["keys"], self._pass["values"]
+        flat[layer].index_copy_(0, where, kv.flatten(0, 1))
+        return keys[layer], values[layer]
 
     def mask(self, window):
         """Each row's mask over all slots, (B, 1, R, S), from a pass's `attention_window`: slots
         < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
-        R, S = window.shape[1], window.shape[2] // 2
-        index = (S - self.length)[:, None, None] + self.slot
-        return window.expand(len(self.length), -1, -1).gather(2, index.expand(-1, R, -1)).unsqueeze(1)
+        R, S = window.shape[2], len(self.slot)
+        index = (S - self.length).view(-1, 1, 1, 1) + self.slot  # row b's window starts at S - L[b]
+        return window.expand(len(self.length), -1, -1, -1).gather(3, index.expand(-1, -1, R, -1))
 
     def accept(self, path, accepted):
         """Keep each row's accepted nodes: the node path[b, i] of this pass moves to slot
         L[b] + i, and L[b] += accepted[b]. path (B, P) holds node indices, root first, padded
         past a row's accepted length with any node (those slots lie past the new length)."""
-        flat = self.kv.view(-1, self.run.numel() * self.kv.shape[4], self.kv.shape[5])  # all layers' keys and values
         src = self._index(self.length[:, None] + path)
+        flat = self.kv.flatten(1, 2)  # every layer at once
         flat.index_copy_(1, self._index(self.length[:, None] + self.slot[:path.shape[1]]), flat.index_select(1, src))
         self.advance(accepted)
 
     def advance(self, accepted):
         """L += accepted: the first accepted[b] rows of the pass are already in place (a chain)."""
         self.length += accepted
-        self._where = None
+        self._pass = None
 
     def rewind(self, length):
         """Every row back to `length` tokens (a benchmark repeats one step)."""
         self.length.fill_(length)
-        self._where = None
+        self._pass = None
 
     def keep_rows(self, rows):
         """Only these rows go on (the others finished): (B',) row indices."""
-        self.kv, self.length = self.kv[:, :, rows], self.length[rows]
+        self.kv, self.length = self.kv[:, rows], self.length[rows]
         self._views()
 
     def put_rows(self, rows, other):
         """Rows of this cache replaced by the rows of another (a rebuilt window)."""
-        self.kv[:, :, rows] = other.kv
+        self.kv[:, rows] = other.kv
         self.length[rows] = other.length
-        self._where = None
+        self._pass = None

@@ -83,10 +83,11 @@ def stream_rows_mask(anc, n_streams, stream_idx=None):
 
 def attention_window(local, max_len, dtype):
     """A pass's mask over its own rows, local (B, R, W) bool, made ready for a cache of max_len
-    slots: (B, R, 2 max_len) additive, [the prefix: all 0 | local | -inf]. A pass writes its rows
-    at slots L, L+1, ... of a row whose cache holds L tokens, so that row's mask over the whole
-    cache is this window cut at max_len - L (`KVCache.mask`): one gather, on the device."""
+    slots: (B, 1, R, 2 max_len) additive, [the prefix: all 0 | local | -inf]. A pass writes its
+    rows at slots L, L+1, ... of a row whose cache holds L tokens, so that row's mask over the
+    whole cache is this window cut at max_len - L (`KVCache.mask`): one gather, on the device."""
     B, R, W = local.shape
     add = torch.zeros(local.shape, dtype=dtype, device=local.device).masked_fill_(~local, float("-inf"))
-    return torch.cat([add.new_zeros(B, R, max_len), add, add.new_full((B, R, max_len - W), float("-inf"))], dim=2)
+    window = torch.cat([add.new_zeros(B, R, max_len), add, add.new_full((B, R, max_len - W), float("-inf"))], dim=2)
+    return window.unsqueeze(1)
 

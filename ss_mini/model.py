@@ -104,10 +104,10 @@ class MultiStreamAttention(nn.Module):
         qkv = self.c_attn(x)
         if self.stream_adapter is not None:
             qkv = self.stream_adapter(x, qkv, n_main)
-        qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        q, k, v = qkv
+        qkv = qkv.view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.transpose(1, 3).unbind(2)  # (B, H, T, hd) each
         if cache is not None:  # keys and values of the cached prefix and of this pass's rows
-            k, v = cache.write(layer, qkv[1:])
+            k, v = cache.write(layer, qkv[:, :, 1:])
         # mask=None: every row sees every key (one token, no streams)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))

@@ -46,7 +46,7 @@ class TreeShape:
         anc     (B, n, n)  v is u's ancestor or u itself, the root left out (verify)
         path    (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
         tries   (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
-        window  (B, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
+        window  (B, 1, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
     """
 
     def __init__(self, template, sel, n_streams, max_len, width):
@@ -89,7 +89,7 @@ class HostShape:
         self.children = [[] for _ in range(self.n_nodes)]
         for u, p in enumerate(self.parents[1:], 1):
             self.children[p].append(u)
-        self._window, self._S = shape.window[min(row, shape.window.shape[0] - 1)], shape.window.shape[-1] // 2
+        self._window, self._S = shape.window[min(row, shape.window.shape[0] - 1), 0], shape.window.shape[-1] // 2
 
     def mask(self, L):
         local = self._window[:, self._S:]

@@ -74,7 +74,7 @@ def test_compaction_keeps_each_rows_own_path():
     cache = KVCache(cfg, 40, batch_size=3, dtype=torch.float64)
     cache.kv.normal_(generator=gen)
     cache.advance(torch.tensor([5, 0, 17]))
-    ref = [cache.kv[:, :, b].clone() for b in range(3)]  # (n_layer, 2, H, S, hd) per row
+    ref = [cache.kv[:, b].clone() for b in range(3)]  # (n_layer, S, 2, H, hd) per row
     path = torch.tensor([[0, 2, 5, 5], [0, 1, 3, 4], [0, 0, 0, 0]])  # padded past each row's accepted length
     accepted = torch.tensor([3, 4, 1])
     lengths = cache.length.tolist()
@@ -82,8 +82,8 @@ def test_compaction_keeps_each_rows_own_path():
     for b in range(3):
         L, a = lengths[b], int(accepted[b])
         want = ref[b].clone()
-        want[..., L:L + a, :] = ref[b][..., [L + int(u) for u in path[b, :a]], :]
-        torch.testing.assert_close(cache.kv[:, :, b, :, :L + a], want[..., :L + a, :], rtol=0, atol=0)
+        want[:, L:L + a] = ref[b][:, [L + int(u) for u in path[b, :a]]]
+        torch.testing.assert_close(cache.kv[:, b, :L + a], want[:, :L + a], rtol=0, atol=0)
     assert cache.length.tolist() == [8, 4, 18]
 
 
@@ -94,7 +94,7 @@ def test_rows_that_finish_leave_the_batch(monkeypatch):
     step = generate.speculative_step
 
     def spy(model, cache, *args, **kw):
-        sizes.append(cache.kv.shape[2])
+        sizes.append(cache.kv.shape[1])
         return step(model, cache, *args, **kw)
     monkeypatch.setattr(generate, "speculative_step", spy)
     prompts = [[1], [2, 3], [4]]

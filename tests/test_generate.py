@@ -134,7 +134,7 @@ def test_a_tree_runs_as_many_streams_as_it_is_deep():
     assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
     shape = tree.shape(torch.randn(1, 2, 11), max_depth=torch.tensor([9]))
-    assert shape.window.shape[1] == 5 * (1 + 2)  # 5 main rows, 2 streams each
+    assert shape.window.shape[2] == 5 * (1 + 2)  # 5 main rows, 2 streams each
     assert shape.host().mask(3).shape == (5 * (1 + 2), 3 + 5 * (1 + 2))
 
 
@@ -400,7 +400,7 @@ def test_pruning_keeps_the_cache_consistent():
     cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
     fresh, _, _ = _prefill(model, [seq], tree.draft_depth, tree.max_len)
     assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
-    torch.testing.assert_close(cache.kv[..., :len(seq), :], fresh.kv[..., :len(seq), :], rtol=0, atol=1e-10)
+    torch.testing.assert_close(cache.kv[:, :, :len(seq)], fresh.kv[:, :, :len(seq)], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("drafter", ["streams", "medusa"])

@@ -304,6 +304,14 @@ def test_attention_mask_joins_main_and_stream_rows():
     assert torch.equal(attention_mask(parents, 2, stream_idx=[]), tree_mask(parents))
 
 
+def test_a_cache_refuses_autograd():
+    """Decoding keeps no autograd history: a pass that would record one says what to do."""
+    model = random_model(std=0.3)
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        _prefill(model, [1, 2, 3])
+
+
+@torch.no_grad()  # a KV cache is for decoding: it keeps no autograd history
 def test_incremental_decoding_equals_full_forward(monkeypatch):
     model = random_model(std=0.3)
     tokens = torch.randint(0, 11, (20,)).tolist()
@@ -325,6 +333,7 @@ def test_incremental_decoding_equals_full_forward(monkeypatch):
     assert cache.length.tolist() == [20]
 
 
+@torch.no_grad()
 def test_a_pass_runs_the_first_streams_only():
     """draft_depth=g runs streams 1..g: they equal those of a pass with all gamma streams (stream j
     attends to streams <= j only, Eq. 2), and the main stream is unchanged."""
@@ -341,6 +350,7 @@ def test_a_pass_runs_the_first_streams_only():
         torch.testing.assert_close(d, drafts[..., :g, :], rtol=0, atol=1e-10)
 
 
+@torch.no_grad()
 def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch):
     model = random_model(std=0.3)
     gen = torch.Generator().manual_seed(0)
@@ -381,7 +391,7 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch
         ctx = ctx + [tokens[v] for v in path]
         fresh, _, _ = _prefill(model, ctx)
         assert cache.length.tolist() == fresh.length.tolist() == [len(ctx)]
-        torch.testing.assert_close(cache.kv[..., :len(ctx), :], fresh.kv[..., :len(ctx), :], rtol=0, atol=1e-10)
+        torch.testing.assert_close(cache.kv[:, :, :len(ctx)], fresh.kv[:, :, :len(ctx)], rtol=0, atol=1e-10)
 
 
 def test_config_errors():
