@@ -46,7 +46,7 @@ from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree
-from ss_mini.tree_choice import batched, choose_tree, decode_kwargs, pick_prompts, validation_prompts
+from ss_mini.tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",
@@ -374,7 +374,7 @@ def bench(cfg, device, dtype, progress):
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
     result.update(r, roof=roof, tree=str(tree) if tree else "none", tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
-                  dtype=dtype, threads=torch.get_num_threads(), prompts=len(prompts),
+                  dtype=dtype, threads=torch.get_num_threads(), prompts=n_prompts(prompts),
                   max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
                   machine=machine(device, dtype), report=answer[0])
     return result, answer + details

@@ -8,9 +8,21 @@ from .checkpoint import load_model
 from .cli import UsageError
 from .generate import generate_ar
 from .measure import machine, run_interleaved, speculative, summarize
+from .tree import make_tree
 from .tree_choice import batched, choose_tree, decode_kwargs, pick_prompts
 
 SWEEP = (1, 2, 4, 8, 16, 32)
+
+
+def smaller(candidates, tree, n_drafts):
+    """The candidates of the next batch size: a bigger batch wants a smaller tree (docs/batches.md),
+    so none larger than this size's pick; after `none`, `none` and the smallest tree (in case
+    this size's pick was the machine's noise)."""
+    candidates = [c for c in candidates if c == "none" or c.startswith("n") or len(c.split(",")) <= n_drafts]
+    nodes = {c: len(make_tree(c, n_drafts)) if c != "none" else 0 for c in candidates}
+    if tree is None:
+        return ["none", min((c for c in candidates if c != "none"), key=nodes.get)]
+    return [c for c in candidates if nodes[c] <= len(tree)]
 
 
 def batch_sweep(cfg, device, dtype, progress, log, mode):
@@ -24,19 +36,21 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     kw = decode_kwargs(cfg, tok)
     search = {**cfg, "tree": "auto", "candidates": cfg["batch_candidates"], "plot": ""}
-    rows, B = [], 1
+    rows, B, candidates = [], 1, cfg["batch_candidates"].split(";")
     while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
         batches, kw = batched(prompts, B), {**kw, "batch_size": B}
-        tree = choose_tree(model, batched(calibration, B, waves=1), search, kw, lambda *a: None)
+        tree = choose_tree(model, batched(calibration, B), {**search, "candidates": ";".join(candidates)},
+                           kw, lambda *a: None)
+        candidates = smaller(candidates, tree, model.config.n_drafts)
         r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
         rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
                          rows=sum(map(len, batches)) if B > 1 else len(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
-        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same batches of B prompts (rows "
-        "leave as they finish), interleaved:")
+        f"({cfg['batch_candidates']}), then plain and speculative decoding of the same queues of prompts, B rows at "
+        "once (a row that finishes takes the next prompt), interleaved:")
     log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
         f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
     for r in rows:

@@ -133,7 +133,8 @@ class _Tree:
         # at least one, so that every pass drafts for the next
         draft_depth = max(1, min(self.max_depth, config.n_drafts))
         width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
-        key = (draft_depth, config.block_size, str(torch.device(device)), dtype, width)
+        device = torch.empty(0, device=device).device  # "cuda" is cuda:0: one device, one key
+        key = (draft_depth, config.block_size, str(device), dtype, width)
         if getattr(self, "_key", None) != key:
             self._key, self.draft_depth, self.width = key, draft_depth, width
             self.max_len = config.block_size + len(self) * (1 + draft_depth)  # the cache: accepted + a pass's rows

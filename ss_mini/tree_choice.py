@@ -90,7 +90,7 @@ def tree_search(model, calibration, cfg, kw, log):
     fastest = max(rows, key=lambda row: row[2]["speedup"])
     near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
     best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
-    log(f"tree search on {len(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
+    log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
         f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
     log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
     for row in rows:
@@ -114,7 +114,7 @@ def choose_tree(model, calibration, cfg, kw, log):
     if spec == "auto" or cfg.get("sweep"):
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {len(calibration)} "
+            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {n_prompts(calibration)} "
                              f"calibration prompts x {min(kw['max_new_tokens'], cfg['calibration_tokens'])} new tokens "
                              "(shorter than the measurement's, "
                              "so other speedups)", cfg["tie_margin"], model.config.n_drafts)
@@ -125,15 +125,21 @@ def choose_tree(model, calibration, cfg, kw, log):
     return tree
 
 
-def batched(prompts, batch_size, waves=2):
-    """The prompts for batches of batch_size rows: at least waves x batch_size prompts (and every
-    prompt once), drawn in turn from the prompt set, each keeping a different number of its last
-    tokens (half to all) so that a batch mixes lengths, in groups of batch_size (so that
-    interleaved decoders take turns going first); a group decodes as one batch, its rows
-    leaving as they finish. batch_size 1: the prompts as they are, one by one."""
+def batched(prompts, batch_size, queues=2):
+    """The prompts as a server meets them at batch_size rows: `queues` queues (so that
+    interleaved decoders take turns), each of at least two waves of batch_size prompts, drawn in
+    turn from the prompt set, each prompt keeping a different number of its last tokens (half to
+    all) so that a batch mixes lengths. A queue decodes with batch_size rows at once, the next
+    prompt taking the row of one that finishes (continuous batching), so a row that drafts
+    badly holds up no other. batch_size 1: the prompts as they are, one by one."""
     if batch_size == 1:
         return prompts
-    group = batch_size
-    n = -(-max(len(prompts), waves * batch_size) // group) * group
+    n = max(len(prompts), 2 * queues * batch_size)
     rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):] for i in range(n)]
-    return [rows[i:i + group] for i in range(0, n, group)]
+    size = -(-n // queues)
+    return [rows[i:i + size] for i in range(0, n, size)]
+
+
+def n_prompts(items):
+    """How many prompts a list of prompts or of queues (`batched`) holds."""
+    return sum(len(q) for q in items) if items and isinstance(items[0][0], list) else len(items)

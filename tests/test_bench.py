@@ -171,3 +171,26 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
+
+
+def test_a_bigger_batch_searches_no_bigger_tree():
+    """The sweep's candidates at the next batch size: none larger than this size's pick; after
+    `none`, `none` and the smallest tree."""
+    from ss_mini.batch_sweep import smaller
+    from ss_mini.tree import make_tree
+    cands = "none;1;1,1;1,1,1;2,1,1;n8;1,1,1,1,1".split(";")  # the last is deeper than the model's 4 streams
+    assert smaller(cands, make_tree("1,1", 4), 4) == ["none", "1", "1,1"]
+    assert smaller(cands, make_tree("n8", 4), 4) == ["none", "1", "1,1", "1,1,1", "2,1,1", "n8"]
+    assert smaller(cands, None, 4) == ["none", "1"]
+
+
+def test_batches_are_queues_of_two_waves_of_mixed_lengths():
+    """bench's batches: two queues (the decoders take turns), each at least two waves of B rows,
+    every prompt at least once, cut to different lengths; B = 1 is the prompts themselves."""
+    from ss_mini.tree_choice import batched, n_prompts
+    prompts = [list(range(10 * i, 10 * i + 20)) for i in range(3)]
+    assert batched(prompts, 1) == prompts
+    queues = batched(prompts, 4)
+    assert len(queues) == 2 and all(len(q) >= 8 for q in queues) and n_prompts(queues) == 16
+    rows = [r for q in queues for r in q]
+    assert {r[-1] for r in rows} == {19, 29, 39} and len({len(r) for r in rows}) > 1

@@ -28,7 +28,27 @@ def test_greedy_identity_random_models(spec, drafter):
             ar, _ = generate_ar(model, prompt, 70)  # 70 > block_size: crosses the sliding window
             ss, stats = generate_speculative(model, prompt, 70, tree)
             assert ss == ar, (spec, seed, prompt)
-            assert stats.new_tokens == 70 and sum(stats.accepted) >= 69
+            # each decode pass emits its accepted drafts + 1; the prefill emitted the first token
+            assert stats.new_tokens == 70 and sum(stats.accepted) == 69 and len(stats.accepted) == len(stats.nodes)
+
+
+def test_a_tree_is_bound_once_per_device():
+    """sample.py binds the tree where the weights are and the decoder binds it again: the
+    same device spelled two ways ("cuda" and cuda:0; here "cpu:0" and cpu) builds its shapes once."""
+    cfg = random_model().config
+    tree = make_tree("n8", 3).bind(cfg, "cpu:0", torch.float64)
+    template = tree.template
+    assert tree.bind(cfg, torch.device("cpu"), torch.float64).template is template
+
+
+def test_a_shape_has_one_name_per_meaning():
+    """The device shape's depths are a tensor, `depth`; the host view's are a list, `depths`:
+    never both on one object."""
+    tree = make_tree("2,1", 3).bind(random_model().config, "cpu", torch.float64)
+    shape = tree.shape(torch.randn(1, 2, 11, dtype=torch.float64), max_depth=torch.tensor([9]))
+    host = shape.host()
+    assert torch.is_tensor(shape.depth) and not hasattr(shape, "depths")
+    assert host.depths == [0, 1, 1, 2, 2] and not hasattr(host, "depth")
 
 
 def test_greedy_identity_trained_model(tiny_ckpt):
