@@ -184,14 +184,23 @@ def profile(model, prompts, tree, kw, log):
     prof.disable()
     st = pstats.Stats(prof)
     total = sum(v[3] for k, v in st.stats.items() if k[2] == "generate_speculative")
-    parts = {"forward passes, prefill included": ("forward_nodes", "pruned_pass"),
-             "tree draft (candidates, shape, tokens)": ("draft", "shape", "tokens"),
-             "masks (new tree shapes only)": ("attention_mask",), "verify (target tokens)": ("verify", "pick"),
-             "verify walk": ("walk",), "accept (cache compaction)": ("accept",),
-             "next drafts after verify (> HEAD_ROWS rows)": ("draft_logits",)}
+
+    def seconds(names, own=False):
+        """Time in ss_mini's functions of these names, with what they call (own=True: their own
+        Python only); a call from another of them is not counted twice."""
+        t = 0.0
+        for (f, _, fn), (_, _, tt, ct, callers) in st.stats.items():
+            if fn in names and "ss_mini" in f:
+                t += tt if own else ct - sum(c[3] for (_, _, caller), c in callers.items() if caller in names)
+        return t
+    parts = {"forward passes, prefill and window rebuilds included": seconds(("forward_nodes", "pruned_pass")),
+             "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
+             "masks (each row's window over the cache)": seconds(("mask",)),
+             "verify (the target's tokens)": seconds(("verify", "pick")),
+             "accept (cache compaction, lengths)": seconds(("accept", "advance")),
+             "the decoder's rows (their tokens, Python only)": seconds(("emit", "join", "_fill", "finish"), own=True)}
     log(f"profile of {len(prompts)} speculative generations, {total:.2f} s in generate_speculative:")
-    for label, names in parts.items():
-        t = sum(v[3] for (f, _, fn), v in st.stats.items() if fn in names and "ss_mini" in f)
+    for label, t in parts.items():
         log(f"  {label:<52} {t:7.3f} s  {100 * t / total:5.1f}%")
 
 
@@ -291,7 +300,7 @@ def bench(cfg, device, dtype, progress):
     B = cfg["batch_size"]
     if B > 1 and cfg["prune_threshold"]:
         raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
-    prompts, calibration = batched(prompts, B), batched(calibration, B)
+    prompts, calibration = batched(prompts, B), batched(calibration, B, queues=1)
     details = []
     log = details.append
     if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):

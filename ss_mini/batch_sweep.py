@@ -15,14 +15,12 @@ SWEEP = (1, 2, 4, 8, 16, 32)
 
 
 def smaller(candidates, tree, n_drafts):
-    """The candidates of the next batch size: a bigger batch wants a smaller tree (docs/batches.md),
-    so none larger than this size's pick; after `none`, `none` and the smallest tree (in case
-    this size's pick was the machine's noise)."""
-    candidates = [c for c in candidates if c == "none" or c.startswith("n") or len(c.split(",")) <= n_drafts]
-    nodes = {c: len(make_tree(c, n_drafts)) if c != "none" else 0 for c in candidates}
-    if tree is None:
-        return ["none", min((c for c in candidates if c != "none"), key=nodes.get)]
-    return [c for c in candidates if nodes[c] <= len(tree)]
+    """The candidates of the next batch size: after `none`, `none` and the smallest tree (a
+    bigger batch wants a smaller tree, and `1` is there in case this size's pick was the
+    machine's noise); otherwise all of them."""
+    if tree is not None:
+        return candidates
+    return ["none", min((c for c in candidates if c != "none"), key=lambda c: len(make_tree(c, n_drafts)))]
 
 
 def batch_sweep(cfg, device, dtype, progress, log, mode):
@@ -40,7 +38,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
         batches, kw = batched(prompts, B), {**kw, "batch_size": B}
-        tree = choose_tree(model, batched(calibration, B), {**search, "candidates": ";".join(candidates)},
+        tree = choose_tree(model, batched(calibration, B, queues=1), {**search, "candidates": ";".join(candidates)},
                            kw, lambda *a: None)
         candidates = smaller(candidates, tree, model.config.n_drafts)
         r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))

@@ -125,16 +125,16 @@ def choose_tree(model, calibration, cfg, kw, log):
     return tree
 
 
-def batched(prompts, batch_size, queues=2):
+def batched(prompts, batch_size, waves=2, queues=2):
     """The prompts as a server meets them at batch_size rows: `queues` queues (so that
-    interleaved decoders take turns), each of at least two waves of batch_size prompts, drawn in
+    interleaved decoders take turns), each of at least `waves` waves of batch_size prompts, drawn in
     turn from the prompt set, each prompt keeping a different number of its last tokens (half to
     all) so that a batch mixes lengths. A queue decodes with batch_size rows at once, the next
     prompt taking the row of one that finishes (continuous batching), so a row that drafts
     badly holds up no other. batch_size 1: the prompts as they are, one by one."""
     if batch_size == 1:
         return prompts
-    n = max(len(prompts), 2 * queues * batch_size)
+    n = max(len(prompts), waves * queues * batch_size)
     rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):] for i in range(n)]
     size = -(-n // queues)
     return [rows[i:i + size] for i in range(0, n, size)]

@@ -173,15 +173,15 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
 
 
-def test_a_bigger_batch_searches_no_bigger_tree():
-    """The sweep's candidates at the next batch size: none larger than this size's pick; after
+def test_after_none_a_bigger_batch_searches_none_and_the_smallest_tree():
+    """The sweep's candidates at the next batch size: all of them while a tree pays; after
     `none`, `none` and the smallest tree."""
     from ss_mini.batch_sweep import smaller
     from ss_mini.tree import make_tree
-    cands = "none;1;1,1;1,1,1;2,1,1;n8;1,1,1,1,1".split(";")  # the last is deeper than the model's 4 streams
-    assert smaller(cands, make_tree("1,1", 4), 4) == ["none", "1", "1,1"]
-    assert smaller(cands, make_tree("n8", 4), 4) == ["none", "1", "1,1", "1,1,1", "2,1,1", "n8"]
+    cands = "none;1,1;1;1,1,1;2,1,1;n8".split(";")
+    assert smaller(cands, make_tree("1,1", 4), 4) == cands
     assert smaller(cands, None, 4) == ["none", "1"]
+    assert smaller(["none", "n8", "3,2,1"], None, 4) == ["none", "n8"]
 
 
 def test_batches_are_queues_of_two_waves_of_mixed_lengths():
