@@ -28,8 +28,9 @@ class KVCache:
         self._views()
 
     def _views(self):
+        """Per set of rows: where each row's slots start in a layer seen as one flat run of slots."""
         n_layer, B, S = self.kv.shape[:3]
-        self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S) in a flat layer
+        self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
         self._pass = None  # what every layer of this pass writes to: made by its first write
 
     def _index(self, slots):
@@ -39,17 +40,17 @@ class KVCache:
     def write(self, layer, kv):
         """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row; return
         the keys and values of all slots, (B, H, max_len, hd) each."""
-        R = kv.shape[1]
-        if self._pass is None:  # the pass's first layer: the views every layer uses
+        if self._pass is None:  # the pass's first layer: the views that every layer uses, made once
             if kv.requires_grad:
                 raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
                                    "torch.inference_mode()")
             keys, values = self.kv.transpose(2, 4).unbind(3)  # (n_layer, B, H, S, hd) each
-            self._pass = {"flat": self.kv.flatten(1, 2).unbind(0), "keys": keys.unbind(0), "values": values.unbind(0)}
-        if R not in self._pass:  # where its rows go: the layers above stream insertion write more rows
-            self._pass[R] = self._index(self.length[:, None] + self.slot[:R])
-        where, flat, keys, values = self._pass[R], self._pass["flat"], self._pass["keys"], self._pass["values"]
-        flat[layer].index_copy_(0, where, kv.flatten(0, 1))
+            self._pass = self.kv.flatten(1, 2).unbind(0), keys.unbind(0), values.unbind(0), {}
+        flat, keys, values, where = self._pass
+        R = kv.shape[1]
+        if R not in where:  # where the pass's R rows go (the layers above stream insertion write more rows)
+            where[R] = self._index(self.length[:, None] + self.slot[:R])
+        flat[layer].index_copy_(0, where[R], kv.flatten(0, 1))
         return keys[layer], values[layer]
 
     def mask(self, window):
