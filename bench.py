@@ -340,7 +340,7 @@ def bench(cfg, device, dtype, progress):
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
-    log(f"  speedup {r['speedup']:.2f}x | tokens per pass (accepted drafts + 1) {r['mean_accepted']:.2f} | "
+    log(f"  speedup {r['speedup']:.2f}x | tau (tokens per pass: accepted drafts + 1) {r['mean_accepted']:.2f} | "
         f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
     log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
         f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
