@@ -31,7 +31,7 @@ class KVCache:
         """Per set of rows: where each row's slots start in a layer seen as one flat run of slots."""
         n_layer, B, S = self.kv.shape[:3]
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
-        self._pass = None  # what every layer of this pass writes to: made by its first write
+        self._where = None  # (R, the flat slots of this pass's R rows)
 
     def _index(self, slots):
         """Flat indices of slots (B, R) of each row: (B * R,)."""
@@ -40,18 +40,15 @@ class KVCache:
     def write(self, layer, kv):
         """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row; return
         the keys and values of all slots, (B, H, max_len, hd) each."""
-        if self._pass is None:  # the pass's first layer: the views that every layer uses, made once
+        R = kv.shape[1]
+        # where the pass's rows go: made by its first layer (and again above stream insertion, more rows)
+        if self._where is None or self._where[0] != R:
             if kv.requires_grad:
                 raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
                                    "torch.inference_mode()")
-            keys, values = self.kv.transpose(2, 4).unbind(3)  # (n_layer, B, H, S, hd) each
-            self._pass = self.kv.flatten(1, 2).unbind(0), keys.unbind(0), values.unbind(0), {}
-        flat, keys, values, where = self._pass
-        R = kv.shape[1]
-        if R not in where:  # where the pass's R rows go (the layers above stream insertion write more rows)
-            where[R] = self._index(self.length[:, None] + self.slot[:R])
-        flat[layer].index_copy_(0, where[R], kv.flatten(0, 1))
-        return keys[layer], values[layer]
+            self._where = R, self._index(self.length[:, None] + self.slot[:R])
+        self.kv[layer].flatten(0, 1).index_copy_(0, self._where[1], kv.flatten(0, 1))
+        return self.kv[layer].transpose(1, 3).unbind(2)
 
     def mask(self, window):
         """Each row's mask over all slots, (B, 1, R, S), from a pass's `attention_window`: slots
@@ -72,12 +69,12 @@ class KVCache:
     def advance(self, accepted):
         """L += accepted: the first accepted[b] rows of the pass are already in place (a chain)."""
         self.length += accepted
-        self._pass = None
+        self._where = None
 
     def rewind(self, length):
         """Every row back to `length` tokens (a benchmark repeats one step)."""
         self.length.fill_(length)
-        self._pass = None
+        self._where = None
 
     def keep_rows(self, rows):
         """Only these rows go on (the others finished): (B',) row indices."""
@@ -88,4 +85,4 @@ class KVCache:
         """Rows of this cache replaced by the rows of another (a rebuilt window)."""
         self.kv[:, rows] = other.kv
         self.length[rows] = other.length
-        self._pass = None
+        self._where = None
