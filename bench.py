@@ -330,7 +330,7 @@ def bench(cfg, device, dtype, progress):
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
-    n = f"{sum(map(len, prompts))} {where} prompts, {B} at once" if B > 1 else f"{len(prompts)} {where} prompts"
+    n = f"{n_prompts(prompts)} {where} prompts" + (f", {B} at once" if B > 1 else "")
     answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, {mode_of(cfg['temperature'])}: "
               f"{cfg['out_dir']}, {n} x {kw['max_new_tokens']} new tokens"] + \
         [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5 and tree is not None)

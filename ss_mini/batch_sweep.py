@@ -9,7 +9,7 @@ from .cli import UsageError
 from .generate import generate_ar
 from .measure import machine, run_interleaved, speculative, summarize
 from .tree import make_tree
-from .tree_choice import batched, choose_tree, decode_kwargs, pick_prompts
+from .tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts
 
 SWEEP = (1, 2, 4, 8, 16, 32)
 
@@ -33,7 +33,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     kw = decode_kwargs(cfg, tok)
-    search = {**cfg, "tree": "auto", "candidates": cfg["batch_candidates"], "plot": ""}
+    search = {**cfg, "tree": "auto", "plot": ""}
     rows, B, candidates = [], 1, cfg["batch_candidates"].split(";")
     while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
@@ -43,7 +43,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         candidates = smaller(candidates, tree, model.config.n_drafts)
         r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
         rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
-                         rows=sum(map(len, batches)) if B > 1 else len(batches)))
+                         rows=n_prompts(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
