@@ -45,7 +45,7 @@ from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repe
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
-from ss_mini.tree import make_tree
+from ss_mini.tree import make_tree, tree_spec
 from ss_mini.tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts, validation_prompts
 
 config = dict(
@@ -156,7 +156,7 @@ def compare(dirs, cfg, device, dtype, log):
                    val_loss=val_loss(model, ckpt))
         if model.config.n_drafts:
             tree = choose_tree(model, calibration, cfg, kw, lambda *a: None)  # and its warm-up
-            row.update(summarize(*run_pair(model, prompts, tree, kw)), tree=str(tree))
+            row.update(summarize(*run_pair(model, prompts, tree, kw)), tree=tree_spec(tree))
         else:
             generate_ar(model, calibration[0], **{**kw, "max_new_tokens": 32})  # warm-up
             outs = [generate_ar(model, p, **kw) for p in prompts]
@@ -382,7 +382,7 @@ def bench(cfg, device, dtype, progress):
         result["pruning"] = {"threshold": thr, "unpruned": u, "pruned": p}
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
-    result.update(r, roof=roof, tree=str(tree) if tree else "none", tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
+    result.update(r, roof=roof, tree=tree_spec(tree), tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
                   dtype=dtype, threads=torch.get_num_threads(), prompts=n_prompts(prompts),
                   max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
                   machine=machine(device, dtype), report=answer[0])

@@ -7,27 +7,26 @@ from . import plot
 from .checkpoint import load_model
 from .cli import UsageError
 from .generate import generate_ar
-from .measure import machine, run_interleaved, speculative, summarize
-from .tree import make_tree
+from .measure import machine, over_runs, run_interleaved, speculative, summarize
+from .tree import tree_spec
 from .tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts
 
 SWEEP = (1, 2, 4, 8, 16, 32)
 
 
-def smaller(candidates, tree, n_drafts):
-    """The candidates of the next batch size: after `none`, `none` and the smallest tree (a
-    bigger batch wants a smaller tree, and `1` is there in case this size's pick was the
-    machine's noise); otherwise all of them."""
-    if tree is not None:
-        return candidates
-    return ["none", min((c for c in candidates if c != "none"), key=lambda c: len(make_tree(c, n_drafts)))]
+def smaller(candidates, tree):
+    """The candidates of the next batch size: all of them while a tree pays; after `none`,
+    only `none`. A bigger batch has less spare compute for a tree's extra rows, so speculation
+    stays off above the size where it stopped paying (vLLM's rule); searching trees again there
+    only gives the machine's noise a chance to pick one that loses."""
+    return candidates if tree is not None else ["none"]
 
 
 def batch_sweep(cfg, device, dtype, progress, log, mode):
     """--batch_sweep: at each batch size B a tree search (the tree `none` among the candidates,
     so speculation is off where no tree pays), then plain and speculative decoding of the same
-    batches, interleaved. Sizes 1..32, and on while plain decoding's throughput still grows by
-    10% a doubling. mode: bench's words for the decoding mode. Returns the JSON result."""
+    batches, interleaved, --repeats times (the median run, and the range). Sizes 1..32, and on
+    while plain decoding's throughput still grows by 10% a doubling. mode: bench's words for the decoding mode. Returns the JSON result."""
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
@@ -38,22 +37,23 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     while B <= cfg["max_batch_size"] and (B in SWEEP or rows[-1]["ar_tokens_per_s"] > 1.1 * rows[-2]["ar_tokens_per_s"]):
         progress(f"bench: batch size {B}")
         batches, kw = batched(prompts, B), {**kw, "batch_size": B}
-        tree = choose_tree(model, batched(calibration, B, queues=1), {**search, "candidates": ";".join(candidates)},
-                           kw, lambda *a: None)
-        candidates = smaller(candidates, tree, model.config.n_drafts)
-        r = summarize(*run_interleaved(batches, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]))
-        rows.append(dict(r, batch_size=B, tree=str(tree) if tree else "none",
-                         rows=n_prompts(batches)))
+        tree = None if candidates == ["none"] else choose_tree(
+            model, batched(calibration, B, queues=1), {**search, "candidates": ";".join(candidates)}, kw, lambda *a: None)
+        candidates = smaller(candidates, tree)
+        decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
+        r = over_runs([summarize(*run_interleaved(batches, decoders)) for _ in range(cfg["repeats"])])
+        rows.append(dict(r, batch_size=B, tree=tree_spec(tree), rows=n_prompts(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
         f"({cfg['batch_candidates']}), then plain and speculative decoding of the same queues of prompts, B rows at "
-        "once (a row that finishes takes the next prompt), interleaved:")
-    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'tau':>5} {'tree':>8} "
-        f"{'identical':>9} {'latency plain':>13} {'latency spec':>12}")
+        f"once (a row that finishes takes the next prompt), interleaved; the median of {cfg['repeats']} runs:")
+    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'range':>11} {'tau':>5} "
+        f"{'tree':>8} {'identical':>9} {'latency plain':>13} {'latency spec':>12}")
     for r in rows:
+        low, high = r["speedup_range"]
         log(f"{r['batch_size']:>5} {r['rows']:>7} {r['ar_tokens_per_s']:11.0f} {r['ss_tokens_per_s']:10.0f} "
-            f"{r['speedup']:7.2f}x {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
+            f"{r['speedup']:7.2f}x {low:5.2f}-{high:.2f} {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
             f"{r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
     stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
     log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "

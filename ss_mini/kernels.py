@@ -4,15 +4,16 @@ On a CPU: weights packed once for decoding's few-row products (`Linear`).
 
 Decoding multiplies big weights by few rows: one row in an autoregressive step, a few tens
 in a tree pass. Such a product should cost one read of the weight, at the machine's memory
-bandwidth. `F.linear` on a CPU does not get there: for every call BLAS re-packs the weight
-into the layout of its GEMM kernel, so a few-row product reads and writes the weight more
-than once, and a 4-row product can cost twice a 1-row one. Packing the weight once into
-MKL's GEMM layout (`torch.ops.mkl._mkl_reorder_linear_weight`, what torch.compile's CPU
-freezing does) removes that work from every call of 2 to 64 rows (tree passes). One row (the
-autoregressive step) is a matrix-vector product that needs no packing: `F.linear` is as fast
-there as a packed weight or faster, so the baseline keeps it. Training (gradients on), small
-weights, other devices, a torch without MKL and torch.compile keep `F.linear` too. The
-measurements are in docs/step-cost.md (`python bench.py --pass_cost --shape=12,12,768,50257`).
+bandwidth. `F.linear` on a CPU does not get there: for every call of more than one row BLAS
+re-packs the weight into the layout of its GEMM kernel, so a few-row product reads and
+writes the weight more than once (with GPT-2's head a 2-row product can cost twice a 1-row
+one); on the CPU of docs/packed-weights.md even one-row products ran faster on a pack.
+Packing the weight once into MKL's GEMM layout (`torch.ops.mkl._mkl_reorder_linear_weight`,
+what torch.compile's CPU freezing does) removes that work from every call of 1 to 64 rows,
+so the autoregressive baseline and the tree passes get the same kernel. Training (gradients
+on), small weights, other devices, a torch without MKL and torch.compile keep `F.linear`.
+The measurements are in docs/packed-weights.md (`python bench.py --pass_cost
+--shape=12,12,768,50257`).
 
 On every device: one LM head call for a pass of few rows (`HEAD_ROWS`, GPT.forward_top).
 The 50,257-row head is the biggest weight of a GPT-2 and a decoding step is memory-bound:
@@ -47,12 +48,12 @@ MKL = mkl_packing()
 
 
 class Linear(nn.Linear):
-    """nn.Linear; in inference on a CPU, products of 2 to 64 rows on big weights use a packed weight."""
+    """nn.Linear; in inference on a CPU, products of 1 to 64 rows on big weights use a packed weight."""
 
     def forward(self, x):
         if MKL and self.in_features * self.out_features >= BIG and x.device.type == "cpu":  # small weights: F.linear
             rows = x.numel() // self.in_features
-            if (1 < rows <= FEW and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            if (0 < rows <= FEW and x.dtype == torch.float32 and not torch.is_grad_enabled()
                     and not torch.compiler.is_compiling()):
                 y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(), self.weight,
                                               self.bias, rows)
@@ -60,9 +61,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _packed(self):
-        """The weight in MKL's GEMM layout, packed for FEW rows (a pack for fewer rows is as fast up
-        to its size and slower above it), and again whenever the weight changes (an optimizer
-        step, a loaded checkpoint)."""
+        """The weight in MKL's GEMM layout, packed for FEW rows (on some CPUs a pack for fewer rows
+        is slower above its size), and again whenever the weight changes (an optimizer step, a
+        loaded checkpoint)."""
         w = self.weight
         key = (w.data_ptr(), w._version)
         if getattr(self, "_pack_key", None) != key:

@@ -226,6 +226,11 @@ class BudgetTree(_Tree):
         return f"n{self.n_nodes}"
 
 
+def tree_spec(tree):
+    """The spec that makes this tree again: `make_tree(tree_spec(t), g)` (None: 'none')."""
+    return "none" if tree is None else str(tree)
+
+
 def make_tree(spec, n_streams):
     """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
     'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4) or 'none'

@@ -153,19 +153,23 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
 
 def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     """--batch_sweep: one row per batch size, each with its own tree search (the tree none among
-    the candidates), greedy outputs identical to plain decoding at every size, and the figure."""
+    the candidates) and --repeats measured runs, plain decoding at every size after the first
+    none, greedy outputs identical to plain decoding at every size, and the figure."""
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"
     r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=4", "--num_prompts=3", "--max_new_tokens=12",
-            "--prompt_tokens=16", "--batch_candidates=none;1,1;n4", "--calibration_tokens=8", f"--plot={png}", "--json")
+            "--prompt_tokens=16", "--batch_candidates=none;1,1;n4", "--calibration_tokens=8", "--repeats=2", f"--plot={png}",
+            "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     rows = doc["batch_sweep"]
     assert [row["batch_size"] for row in rows] == [1, 2, 4] and png.exists()
     for row in rows:
         assert row["tree"] in ("none", "1,1", "n4") and row["match_rate"] == 1.0
-        assert row["rows"] >= 3 and row["ar_latency_s"] > 0
-    assert doc["stops_paying_at"] in (None, 1, 2, 4)
+        assert row["rows"] >= 3 and row["ar_latency_s"] > 0 and len(row["speedups"]) == 2
+    trees = [row["tree"] for row in rows]
+    assert "none" not in trees or set(trees[trees.index("none"):]) == {"none"}
+    assert doc["stops_paying_at"] == (rows[trees.index("none")]["batch_size"] if "none" in trees else None)
     r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12", "--prompt_tokens=16",
             "--tree=1,1", "--repeats=1", "--json")
     assert r.returncode == 0, r.stderr
@@ -173,15 +177,14 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
 
 
-def test_after_none_a_bigger_batch_searches_none_and_the_smallest_tree():
+def test_after_none_a_bigger_batch_decodes_plainly():
     """The sweep's candidates at the next batch size: all of them while a tree pays; after
-    `none`, `none` and the smallest tree."""
+    `none`, only `none` (speculation stays off above the size where it stopped paying)."""
     from ss_mini.batch_sweep import smaller
     from ss_mini.tree import make_tree
     cands = "none;1,1;1;1,1,1;2,1,1;n8".split(";")
-    assert smaller(cands, make_tree("1,1", 4), 4) == cands
-    assert smaller(cands, None, 4) == ["none", "1"]
-    assert smaller(["none", "n8", "3,2,1"], None, 4) == ["none", "n8"]
+    assert smaller(cands, make_tree("1,1", 4)) == cands
+    assert smaller(cands, None) == ["none"]
 
 
 def test_batches_are_queues_of_two_waves_of_mixed_lengths():
@@ -194,3 +197,10 @@ def test_batches_are_queues_of_two_waves_of_mixed_lengths():
     assert len(queues) == 2 and all(len(q) >= 8 for q in queues) and n_prompts(queues) == 16
     rows = [r for q in queues for r in q]
     assert {r[-1] for r in rows} == {19, 29, 39} and len({len(r) for r in rows}) > 1
+
+
+def test_a_tree_is_named_by_the_spec_that_makes_it():
+    """Reports name a tree by its spec, `none` for plain decoding, never Python's None."""
+    from ss_mini.tree import make_tree, tree_spec
+    for spec in ("none", "1,1,1", "3,2,1", "n8"):
+        assert tree_spec(make_tree(spec, 4)) == spec
