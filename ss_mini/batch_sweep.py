@@ -25,8 +25,10 @@ def smaller(candidates, tree):
 def batch_sweep(cfg, device, dtype, progress, log, mode):
     """--batch_sweep: at each batch size B a tree search (the tree `none` among the candidates,
     so speculation is off where no tree pays), then plain and speculative decoding of the same
-    batches, interleaved, --repeats times (the median run, and the range). Sizes 1..32, and on
-    while plain decoding's throughput still grows by 10% a doubling. mode: bench's words for the decoding mode. Returns the JSON result."""
+    batches, interleaved, --repeats times (the median run, and the range; with `none` both
+    columns are plain decoding's runs). Sizes 1..32, and on
+    while plain decoding's throughput still grows by 10% a doubling. mode: bench's words for
+    the decoding mode. Returns the JSON result."""
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
@@ -40,8 +42,10 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         tree = None if candidates == ["none"] else choose_tree(
             model, batched(calibration, B, queues=1), {**search, "candidates": ";".join(candidates)}, kw, lambda *a: None)
         candidates = smaller(candidates, tree)
-        decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
-        r = over_runs([summarize(*run_interleaved(batches, decoders)) for _ in range(cfg["repeats"])])
+        decoders = [lambda p: generate_ar(model, p, **kw)] + ([speculative(model, tree, kw)] if tree else [])
+        runs = [run_interleaved(batches, decoders) for _ in range(cfg["repeats"])]
+        # the tree none: speculative decoding is plain decoding, the same runs (timing it twice measures noise)
+        r = over_runs([summarize(results[0], results[-1]) for results in runs])
         rows.append(dict(r, batch_size=B, tree=tree_spec(tree), rows=n_prompts(batches)))
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
@@ -59,7 +63,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
         f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
     log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
-        "decoding's, per prompt")
+        "decoding's, per prompt; tree none: speculation off, plain decoding's runs in both columns")
     if cfg["plot"]:
         plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
         log(f"batch sweep plotted in {cfg['plot']}")

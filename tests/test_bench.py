@@ -170,6 +170,12 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     trees = [row["tree"] for row in rows]
     assert "none" not in trees or set(trees[trees.index("none"):]) == {"none"}
     assert doc["stops_paying_at"] == (rows[trees.index("none")]["batch_size"] if "none" in trees else None)
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=2", "--num_prompts=3", "--max_new_tokens=12",
+            "--prompt_tokens=16", "--batch_candidates=none", "--repeats=2", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # speculation off: the speculative column is plain decoding's own runs
+    assert [(row["tree"], row["speedups"]) for row in doc["batch_sweep"]] == [("none", [1.0, 1.0])] * 2
+    assert doc["stops_paying_at"] == 1
     r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12", "--prompt_tokens=16",
             "--tree=1,1", "--repeats=1", "--json")
     assert r.returncode == 0, r.stderr
