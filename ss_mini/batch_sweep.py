@@ -26,9 +26,9 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     """--batch_sweep: at each batch size B a tree search (the tree `none` among the candidates,
     so speculation is off where no tree pays), then plain and speculative decoding of the same
     batches, interleaved, --repeats times (the median run, and the range; with `none` both
-    columns are plain decoding's runs). Sizes 1..32, and on
-    while plain decoding's throughput still grows by 10% a doubling. mode: bench's words for
-    the decoding mode. Returns the JSON result."""
+    columns are plain decoding's runs). Sizes 1..32, and on while plain decoding's throughput
+    still grows by 10% a doubling. mode: bench's words for the decoding mode. Returns the JSON
+    result."""
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
