@@ -46,7 +46,7 @@ from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree, tree_spec
-from ss_mini.tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts, validation_prompts
+from ss_mini.tree_choice import batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts, validation_prompts
 
 config = dict(
     out_dir="out",
@@ -300,7 +300,7 @@ def bench(cfg, device, dtype, progress):
     B = cfg["batch_size"]
     if B > 1 and cfg["prune_threshold"]:
         raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
-    prompts, calibration = batched(prompts, B), batched(calibration, B, queues=1)
+    prompts, calibration = batched(prompts, B), calibration_batches(calibration, B)
     details = []
     log = details.append
     if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):

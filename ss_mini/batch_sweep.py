@@ -9,17 +9,19 @@ from .cli import UsageError
 from .generate import generate_ar
 from .measure import machine, over_runs, run_interleaved, speculative, summarize
 from .tree import tree_spec
-from .tree_choice import batched, choose_tree, decode_kwargs, n_prompts, pick_prompts
+from .tree_choice import batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts
 
 SWEEP = (1, 2, 4, 8, 16, 32)
 
 
-def smaller(candidates, tree):
-    """The candidates of the next batch size: all of them while a tree pays; after `none`,
-    only `none`. A bigger batch has less spare compute for a tree's extra rows, so speculation
-    stays off above the size where it stopped paying (vLLM's rule); searching trees again there
-    only gives the machine's noise a chance to pick one that loses."""
-    return candidates if tree is not None else ["none"]
+def smaller(candidates, slowest, margin):
+    """The candidates of the next batch size: all of them while speculation paid in every run
+    at this size (its slowest run more than `margin` faster than plain decoding); otherwise
+    only `none`. A bigger batch has less spare compute for a tree's extra rows, so a gain
+    within the noise here is a loss at the next size (vLLM turns speculation off above a
+    batch size likewise); searching trees there only gives the machine's noise a chance to
+    pick one that loses. With the tree `none` the slowest run is 1.0: speculation stays off."""
+    return candidates if slowest > 1 + margin else ["none"]
 
 
 def batch_sweep(cfg, device, dtype, progress, log, mode):
@@ -40,13 +42,13 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         progress(f"bench: batch size {B}")
         batches, kw = batched(prompts, B), {**kw, "batch_size": B}
         tree = None if candidates == ["none"] else choose_tree(
-            model, batched(calibration, B, queues=1), {**search, "candidates": ";".join(candidates)}, kw, lambda *a: None)
-        candidates = smaller(candidates, tree)
+            model, calibration_batches(calibration, B), {**search, "candidates": ";".join(candidates)}, kw, lambda *a: None)
         decoders = [lambda p: generate_ar(model, p, **kw)] + ([speculative(model, tree, kw)] if tree else [])
         runs = [run_interleaved(batches, decoders) for _ in range(cfg["repeats"])]
         # the tree none: speculative decoding is plain decoding, the same runs (timing it twice measures noise)
         r = over_runs([summarize(results[0], results[-1]) for results in runs])
         rows.append(dict(r, batch_size=B, tree=tree_spec(tree), rows=n_prompts(batches)))
+        candidates = smaller(candidates, r["speedup_range"][0], cfg["tie_margin"])
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "

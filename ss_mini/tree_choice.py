@@ -140,6 +140,14 @@ def batched(prompts, batch_size, waves=2, queues=2):
     return [rows[i:i + size] for i in range(0, n, size)]
 
 
+def calibration_batches(calibration, batch_size):
+    """The calibration prompts at batch_size rows for the tree search: one queue per prompt,
+    each a single wave of batch_size rows, so the candidates take turns as many times as on
+    the prompts one by one at B = 1; with one queue, a burst of load on the machine during
+    one candidate's turn decides the pick."""
+    return batched(calibration, batch_size, waves=1, queues=len(calibration))
+
+
 def n_prompts(items):
     """How many prompts a list of prompts or of queues (`batched`) holds."""
     return sum(len(q) for q in items) if items and isinstance(items[0][0], list) else len(items)

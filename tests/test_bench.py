@@ -183,14 +183,25 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
 
 
-def test_after_none_a_bigger_batch_decodes_plainly():
-    """The sweep's candidates at the next batch size: all of them while a tree pays; after
-    `none`, only `none` (speculation stays off above the size where it stopped paying)."""
+def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
+    """The sweep's candidates at the next batch size: all of them while every run at this size
+    paid more than the margin; after a run within it (or the tree `none`, 1.0), only `none`."""
     from ss_mini.batch_sweep import smaller
-    from ss_mini.tree import make_tree
     cands = "none;1,1;1;1,1,1;2,1,1;n8".split(";")
-    assert smaller(cands, make_tree("1,1", 4)) == cands
-    assert smaller(cands, None) == ["none"]
+    assert smaller(cands, 1.30, 0.02) == cands
+    assert smaller(cands, 1.01, 0.02) == ["none"]
+    assert smaller(cands, 0.95, 0.02) == ["none"]
+    assert smaller(cands, 1.0, 0.02) == ["none"]  # the tree none
+
+
+def test_calibration_batches_take_turns_as_often_as_single_prompts():
+    """The tree search's calibration at B rows: one queue per calibration prompt, each one wave
+    of B rows, so the candidates take turns as often as at B = 1; B = 1 is the prompts."""
+    from ss_mini.tree_choice import calibration_batches, n_prompts
+    cal = [list(range(10 * i, 10 * i + 20)) for i in range(4)]
+    assert calibration_batches(cal, 1) == cal
+    queues = calibration_batches(cal, 8)
+    assert len(queues) == 4 and all(len(q) == 8 for q in queues) and n_prompts(queues) == 32
 
 
 def test_batches_are_queues_of_two_waves_of_mixed_lengths():
