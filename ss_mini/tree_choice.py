@@ -8,6 +8,7 @@ prompts. Why the search's choices hold, and its tie margin: docs/step-cost.md ("
 search picks well").
 """
 import json
+import statistics
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from .checkpoint import training_data
 from .cli import UsageError
 from .data import load_split
 from .generate import generate_ar
-from .measure import run_interleaved, run_pair, speculative, summarize, unreliable
+from .measure import prompt_speedups, run_interleaved, run_pair, speculative, summarize, unreliable
 from .tree import make_tree
 
 
@@ -71,8 +72,9 @@ def decode_kwargs(cfg, tok):
 
 
 def tree_search(model, calibration, cfg, kw, log):
-    """SS tokens/s of every candidate tree that fits the model against one AR baseline, on the
-    calibration prompts with calibration_tokens new tokens each (at most max_new_tokens);
+    """The speedup of every candidate tree that fits the model over one AR baseline, on the
+    calibration prompts (or queues) with calibration_tokens new tokens each (at most
+    max_new_tokens): the median over the prompts of each prompt's speedup;
     logs the table and returns the spec of the tree to measure: among the trees within
     tie_margin of the fastest, the one with the fewest nodes, then the highest tau (a
     near-tie is the machine's noise, and the smaller tree is the one that two runs agree
@@ -86,13 +88,17 @@ def tree_search(model, calibration, cfg, kw, log):
     decoders = lambda kw: [lambda p: generate_ar(model, p, **kw)] + [speculative(model, t, kw) for t in trees]
     run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
     ar, *ss = run_interleaved(calibration, decoders(kw))
-    rows = [(spec, len(t) if t else 0, summarize(ar, s)) for spec, t, s in zip(candidates, trees, ss)]
+    # a candidate's speedup: the median over the calibration prompts of its speedup on each,
+    # so that a slow spell of the machine during one decode does not decide the pick
+    rows = [(spec, len(t) if t else 0, dict(summarize(ar, s), speedup=statistics.median(prompt_speedups(ar, s))))
+            for spec, t, s in zip(candidates, trees, ss)]
     fastest = max(rows, key=lambda row: row[2]["speedup"])
     near = [row for row in rows if row[2]["speedup"] >= (1 - cfg["tie_margin"]) * fastest[2]["speedup"]]
     best = min(near, key=lambda row: (row[1], -row[2]["mean_accepted"]))
     log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
         f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
-    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}")
+    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}"
+        "  (speedup: the median over the prompts)")
     for row in rows:
         spec, n, r = row
         mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
