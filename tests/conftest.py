@@ -35,10 +35,11 @@ def tiny_ckpt(tmp_path_factory):
     return out
 
 
-def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
+def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, **cfg):
     """The tree search (ss_mini/tree_choice.py) with bench's defaults, on fake decoders over the
-    prompts p0, p1: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
-    pass takes 1 ms. Returns the chosen tree,
+    prompts: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
+    pass takes 1 ms; slow maps (tree, prompt) to a factor on that decode's time (a slow spell
+    of the machine). Returns the chosen tree,
     the search's rows and every call as (decoder, prompt, max_new_tokens)."""
     import bench
     from types import SimpleNamespace
@@ -55,7 +56,7 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
         tau, ms = timings[repr(tree)]
         passes = 24 // tau
         return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=passes * ms * 1e-3)
+                               seconds=passes * ms * 1e-3 * (slow or {}).get((repr(tree), prompt), 1))
 
     from ss_mini import measure
     monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline
@@ -63,5 +64,5 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, **cfg):
     monkeypatch.setattr(measure, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
-    best, rows = tree_choice.tree_search(model, ["p0", "p1"], cfg, dict(max_new_tokens=256), lambda *a: None)
+    best, rows = tree_choice.tree_search(model, list(prompts), cfg, dict(max_new_tokens=256), lambda *a: None)
     return best, rows, calls

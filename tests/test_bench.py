@@ -40,6 +40,15 @@ def test_tree_search_takes_the_smallest_tree_within_the_tie_margin(monkeypatch):
     assert search(monkeypatch, timings, tie_margin=0.05)[0] == "1,1,1"
 
 
+def test_a_slow_spell_on_one_prompt_does_not_decide_the_search(monkeypatch):
+    # 1,1,1 is 2.0x on every prompt but p1, where the machine slowed it 4x; 1,1 is 1.6x everywhere:
+    # over the sum of the three decodes 1,1,1 would lose (1.2x), over the median prompt it wins
+    timings = {"1,1": (2, 1.25), "1,1,1": (4, 2.0)}
+    best, rows, _ = fake_tree_search(monkeypatch, timings, prompts=("p0", "p1", "p2"), slow={("1,1,1", "p1"): 4},
+                                     tie_margin=0.0)
+    assert best == "1,1,1" and [round(r["speedup"], 2) for _, _, r in rows] == [1.6, 2.0]
+
+
 def test_tree_search_decodes_calibration_tokens(monkeypatch):
     timings = {"1,1": (2, 1.2), "n4": (3, 1.5)}
     _, asked = search(monkeypatch, timings, calibration_tokens=100)
