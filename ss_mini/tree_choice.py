@@ -4,8 +4,8 @@ reported ones, and the tree search.
 How fast a tree decodes depends on the model, the text and the machine: a deeper tree
 accepts more tokens per pass, and each pass costs more. So bench times every candidate tree
 against the autoregressive baseline on calibration prompts, and measures the pick on other
-prompts. Why the search's choices hold, and its tie margin: docs/step-cost.md ("The tree
-search picks well").
+prompts. Its rules (the median over the prompts, the tie margin) are in `tree_search`; the
+search at every batch size: docs/batches.md ("The sweep").
 """
 import json
 import statistics
