@@ -16,6 +16,7 @@
     python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
     python bench.py --batch_size=8         # 8 prompts decoded at once (rows of different lengths)
     python bench.py --batch_sweep          # batch sizes 1..32+: where speculation stops paying
+    python bench.py --threads=1            # one CPU thread: steadier figures where a second core is shared
 
 The report's first line is the answer: the median speedup over --repeats runs with its
 range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
