@@ -47,7 +47,8 @@ from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
 from ss_mini.tree import make_tree, tree_spec
-from ss_mini.tree_choice import batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts, validation_prompts
+from ss_mini.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts,
+                                 validation_prompts)
 
 config = dict(
     out_dir="out",

@@ -14,7 +14,7 @@ from .tree_choice import batched, calibration_batches, choose_tree, decode_kwarg
 SWEEP = (1, 2, 4, 8, 16, 32)
 
 
-def smaller(candidates, slowest, margin):
+def next_candidates(candidates, slowest, margin):
     """The candidates of the next batch size: all of them while speculation paid in every run
     at this size (its slowest run more than `margin` faster than plain decoding); otherwise
     only `none`. A bigger batch has less spare compute for a tree's extra rows, so a gain
@@ -48,7 +48,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         # the tree none: speculative decoding is plain decoding, the same runs (timing it twice measures noise)
         r = over_runs([summarize(results[0], results[-1]) for results in runs])
         rows.append(dict(r, batch_size=B, tree=tree_spec(tree), rows=n_prompts(batches)))
-        candidates = smaller(candidates, r["speedup_range"][0], cfg["tie_margin"])
+        candidates = next_candidates(candidates, r["speedup_range"][0], cfg["tie_margin"])
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
@@ -62,8 +62,9 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
             f"{r['speedup']:7.2f}x {low:5.2f}-{high:.2f} {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
             f"{r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
     stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
-    log("speculation stops paying at batch size " + (f"{stop}: no tree beats plain decoding there by more than "
-        f"{cfg['tie_margin']:.0%}" if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
+    log("speculation stops paying at batch size " + (f"{stop}: speculation is off from there on, because no tree "
+        f"beat plain decoding by more than {cfg['tie_margin']:.0%} there or in every run at the size below"
+        if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
     log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
         "decoding's, per prompt; tree none: speculation off, plain decoding's runs in both columns")
     if cfg["plot"]:

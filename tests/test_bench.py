@@ -195,12 +195,12 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
 def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
     """The sweep's candidates at the next batch size: all of them while every run at this size
     paid more than the margin; after a run within it (or the tree `none`, 1.0), only `none`."""
-    from ss_mini.batch_sweep import smaller
+    from ss_mini.batch_sweep import next_candidates
     cands = "none;1,1;1;1,1,1;2,1,1;n8".split(";")
-    assert smaller(cands, 1.30, 0.02) == cands
-    assert smaller(cands, 1.01, 0.02) == ["none"]
-    assert smaller(cands, 0.95, 0.02) == ["none"]
-    assert smaller(cands, 1.0, 0.02) == ["none"]  # the tree none
+    assert next_candidates(cands, 1.30, 0.02) == cands
+    assert next_candidates(cands, 1.01, 0.02) == ["none"]
+    assert next_candidates(cands, 0.95, 0.02) == ["none"]
+    assert next_candidates(cands, 1.0, 0.02) == ["none"]  # the tree none
 
 
 def test_calibration_batches_take_turns_as_often_as_single_prompts():
