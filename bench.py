@@ -344,6 +344,9 @@ def bench(cfg, device, dtype, progress):
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
     log(f"  speedup {r['speedup']:.2f}x | tau (tokens per pass: accepted drafts + 1) {r['mean_accepted']:.2f} | "
         f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
+    if B > 1:
+        log(f"  tokens/s while all {B} rows decode; over each queue's whole decode, its drain included (the last rows "
+            f"finishing one by one): speedup {r['drained_speedup']:.2f}x (measure.py)")
     log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
         f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
     if r["efficiency"] > 1 and tree is not None:

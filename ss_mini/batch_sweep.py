@@ -54,19 +54,21 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
         f"({cfg['batch_candidates']}), then plain and speculative decoding of the same queues of prompts, B rows at "
         f"once (a row that finishes takes the next prompt), interleaved; the median of {cfg['repeats']} runs:")
-    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'range':>11} {'tau':>5} "
-        f"{'tree':>8} {'identical':>9} {'latency plain':>13} {'latency spec':>12}")
+    log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'range':>11} {'drained':>8} "
+        f"{'tau':>5} {'tree':>8} {'identical':>9} {'latency plain':>13} {'latency spec':>12}")
     for r in rows:
         low, high = r["speedup_range"]
         log(f"{r['batch_size']:>5} {r['rows']:>7} {r['ar_tokens_per_s']:11.0f} {r['ss_tokens_per_s']:10.0f} "
-            f"{r['speedup']:7.2f}x {low:5.2f}-{high:.2f} {r['mean_accepted']:5.2f} {r['tree']:>8} {r['match_rate']:9.0%} "
-            f"{r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
+            f"{r['speedup']:7.2f}x {low:5.2f}-{high:.2f} {r['drained_speedup']:7.2f}x {r['mean_accepted']:5.2f} "
+            f"{r['tree']:>8} {r['match_rate']:9.0%} {r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
     stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
     log("speculation stops paying at batch size " + (f"{stop}: speculation is off from there on, because no tree "
         f"beat plain decoding by more than {cfg['tie_margin']:.0%} there or in every run at the size below"
         if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
-    log("latency: the mean time until a prompt's output is complete; identical: greedy outputs equal to plain "
-        "decoding's, per prompt; tree none: speculation off, plain decoding's runs in both columns")
+    log("tokens/s: while all B rows decode (measure.py); drained: the speedup over each queue's whole decode, the "
+        "last rows finishing one by one included; latency: the mean time until a prompt's output is complete; "
+        "identical: greedy outputs equal to plain decoding's, per prompt; tree none: speculation off, plain decoding's "
+        "runs in both columns")
     if cfg["plot"]:
         plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
         log(f"batch sweep plotted in {cfg['plot']}")

@@ -56,6 +56,11 @@ class Stats:
     nodes: list = field(default_factory=list)  # tree nodes verified per decode pass (after pruning)
     seconds: float = 0.0
     row_seconds: list = field(default_factory=list)  # when each prompt's output was complete
+    # the batch at full strength: tokens emitted, seconds and passes from the start until a row
+    # finished with no prompt waiting for its place (one prompt alone: its whole decode)
+    full_tokens: int = 0
+    full_seconds: float = 0.0
+    full_passes: int = 0
 
     @property
     def tokens_per_s(self):
@@ -180,6 +185,7 @@ class Batch:
         self.started = [self.t0] * len(prompts)  # when each prompt took a row
         self.queue = list(range(len(prompts)))  # prompts waiting for a row
         self.done = set()  # prompts whose output is complete (rows that still ride along: compiled steps)
+        self.emitted = 0  # tokens emitted so far (end-of-text not counted)
         self.by_halves = getattr(model, "compile_steps", False)
         n = min(max_rows or len(prompts), len(prompts))
         self.rows, self.queue = self.queue[:n], self.queue[n:]  # the prompt in each row
@@ -212,12 +218,16 @@ class Batch:
             if cached:
                 self.stats.accepted.append(len(toks))  # tau counts what a pass emitted: a pass cut short counts less
             shown = [t for t in toks if t != self.eot]
+            self.emitted += len(shown)
             if self.on_tokens and shown:
                 self.on_tokens(b, shown)
             if (out and out[-1] == self.eot) or len(out) >= self.max_new:
                 self.stats.row_seconds[b] = time.perf_counter() - self.started[b]
                 self.done.add(b)
         free = [i for i, b in enumerate(self.rows) if b in self.done]
+        if len(free) > len(self.queue) and not self.stats.full_seconds:  # from here on, fewer rows decode
+            st = self.stats
+            st.full_tokens, st.full_seconds, st.full_passes = self.emitted, time.perf_counter() - self.t0, st.passes
         if free and self.queue:
             return self.join(free[:len(self.queue)])
         keep = [i for i, b in enumerate(self.rows) if b not in self.done]

@@ -28,9 +28,13 @@ class KVCache:
         self._views()
 
     def _views(self):
-        """Per set of rows: where each row's slots start in a layer seen as one flat run of slots."""
+        """Per set of rows: where each row's slots start in a layer seen as one flat run of slots,
+        and each layer's views (its flat slots to write, its keys and values to read), made once:
+        a decoding step would otherwise spend a few tensor operations per layer remaking them."""
         n_layer, B, S = self.kv.shape[:3]
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
+        self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
+        self.layer_kv = [self.kv[i].transpose(1, 3).unbind(2) for i in range(n_layer)]  # (B, H, S, hd) each
         self._where = None  # (R, the flat slots of this pass's R rows)
 
     def _index(self, slots):
@@ -47,8 +51,12 @@ class KVCache:
                 raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
                                    "torch.inference_mode()")
             self._where = R, self._index(self.length[:, None] + self.slot[:R])
-        self.kv[layer].flatten(0, 1).index_copy_(0, self._where[1], kv.flatten(0, 1))
-        return self.kv[layer].transpose(1, 3).unbind(2)
+        if torch.compiler.is_compiling():  # a graph makes views for free, and cannot take inputs that alias
+            slots, keys_values = self.kv[layer].flatten(0, 1), self.kv[layer].transpose(1, 3).unbind(2)
+        else:
+            slots, keys_values = self.layer_slots[layer], self.layer_kv[layer]
+        slots.index_copy_(0, self._where[1], kv.flatten(0, 1))
+        return keys_values
 
     def mask(self, window):
         """Each row's mask over all slots, (B, 1, R, S), from a pass's `attention_window`: slots
@@ -83,6 +91,6 @@ class KVCache:
 
     def put_rows(self, rows, other):
         """Rows of this cache replaced by the rows of another (a rebuilt window)."""
-        self.kv[:, rows] = other.kv
+        self.kv[:, rows] = other.kv  # in place: the layers' views stay valid
         self.length[rows] = other.length
         self._where = None

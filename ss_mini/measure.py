@@ -1,9 +1,14 @@
 """Measuring the decoders: interleaved runs, the report's metrics, and the cost of one step.
 
 Metrics (defined here only; bench.py reports them):
-- tokens/s: new tokens / wall time of the whole generation, prefill included, summed over
-  the prompts of a run (total tokens / total seconds).
-- passes: forward passes (of the batch), the prefill counted in both decoders.
+- tokens/s: new tokens / wall time, prefill included, summed over the prompts of a run
+  (total tokens / total seconds), while the batch runs at full strength: a prompt decoded
+  alone, its whole generation; a queue of prompts at B rows, from its start until a row
+  finishes with no prompt left to take its place. What follows, the last rows finishing one
+  by one, is the drain of a finite queue, which a server with a steady stream of requests
+  never reaches; speculation makes it longer (rows accept at different rates), and
+  docs/batches.md measures it apart. Latency (below) keeps the whole decode.
+- passes: forward passes (of the batch, in the same span), the prefill counted in both decoders.
 - tau (mean accepted length): tokens emitted per speculative decode pass: its accepted drafts
   and the token the target adds after them (at least 1).
 - call-reduction CR: AR passes / SS passes.
@@ -79,9 +84,9 @@ def rows_of(results):
 def summarize(ar, ss):
     """The report's metrics from the (tokens, Stats) results of run_pair (one per prompt, or
     per batch of prompts). latency: the mean time until a prompt's output is complete."""
-    toks = lambda rs: sum(s.new_tokens for _, s in rs)
-    secs = lambda rs: sum(s.seconds for _, s in rs)
-    passes = lambda rs: sum(s.passes for _, s in rs)
+    toks = lambda rs: sum(s.full_tokens for _, s in rs)
+    secs = lambda rs: sum(s.full_seconds for _, s in rs)
+    passes = lambda rs: sum(s.full_passes for _, s in rs)
     accepted = [a for _, s in ss for a in s.accepted]
     nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
@@ -94,11 +99,13 @@ def summarize(ar, ss):
     hist = {}
     for a in accepted:
         hist[a] = hist.get(a, 0) + 1
+    whole = lambda rs: sum(s.new_tokens for _, s in rs) / sum(s.seconds for _, s in rs)
     return dict(ar_tokens_per_s=ar_tps, ss_tokens_per_s=ss_tps, speedup=ss_tps / ar_tps,
+                drained_speedup=whole(ss) / whole(ar),
                 mean_accepted=sum(accepted) / max(1, len(accepted)), call_reduction=cr,
                 efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match), first_divergence=first,
                 ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
-                accepted_histogram=dict(sorted(hist.items())), new_tokens=toks(ss),
+                accepted_histogram=dict(sorted(hist.items())), new_tokens=sum(s.new_tokens for _, s in ss),
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate(ar_rows),
                 ar_latency_s=latency(ar), ss_latency_s=latency(ss))
 
@@ -114,7 +121,7 @@ def over_runs(summaries):
 
 def prompt_speedups(ar, ss):
     """The speedup on each prompt of one run: its SS tokens/s / its AR tokens/s."""
-    return [(s.new_tokens / s.seconds) / (a.new_tokens / a.seconds) for (_, a), (_, s) in zip(ar, ss)]
+    return [(s.full_tokens / s.full_seconds) / (a.full_tokens / a.full_seconds) for (_, a), (_, s) in zip(ar, ss)]
 
 
 def machine(device, dtype):

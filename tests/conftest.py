@@ -49,14 +49,16 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
 
     def fake_ar(model, prompt, max_new_tokens, **kw):
         calls.append(("ar", prompt, max_new_tokens))
-        return [0] * 24, Stats(new_tokens=24, passes=24, accepted=[1] * 24, seconds=24e-3)
+        return [0] * 24, Stats(new_tokens=24, passes=24, accepted=[1] * 24, seconds=24e-3,
+                               full_tokens=24, full_passes=24, full_seconds=24e-3)
 
     def fake_ss(model, prompt, tree, max_new_tokens, **kw):
         calls.append((repr(tree), prompt, max_new_tokens))
         tau, ms = timings[repr(tree)]
         passes = 24 // tau
+        seconds = passes * ms * 1e-3 * (slow or {}).get((repr(tree), prompt), 1)
         return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=passes * ms * 1e-3 * (slow or {}).get((repr(tree), prompt), 1))
+                               seconds=seconds, full_tokens=24, full_passes=passes, full_seconds=seconds)
 
     from ss_mini import measure
     monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline

@@ -172,3 +172,18 @@ def test_continuous_batching_keeps_every_output(spec):
         assert ar == want and ss == want, bs
     with pytest.raises(ValueError, match="batch_size=0"):
         generate_ar(model, prompts, 5, batch_size=0)
+
+
+def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
+    """Stats.full_*: what the batch did at full strength (measure.py's tokens/s). Three prompts at
+    two rows, no end-of-text: plain decoding's first two rows finish together and only one prompt
+    waits, so the span is the first wave; one prompt alone: its whole decode."""
+    model = random_model(seed=5, std=0.4)
+    prompts, n = _prompts(4, 3), 9
+    _, st = generate_ar(model, prompts, n, batch_size=2)
+    assert (st.full_tokens, st.full_passes) == (2 * n, n)  # the prefill and n - 1 steps
+    assert st.new_tokens == 3 * n and st.passes == 2 * n and 0 < st.full_seconds < st.seconds
+    _, st = generate_speculative(model, prompts[0], 40, make_tree("2,1", 3))
+    assert (st.full_tokens, st.full_passes) == (st.new_tokens, st.passes)
+    _, st = generate_speculative(model, prompts, 40, make_tree("2,1", 3), batch_size=2)
+    assert 0 < st.full_tokens < st.new_tokens and st.full_passes < st.passes
