@@ -11,7 +11,8 @@ Metrics (defined here only; bench.py reports them):
 - passes: forward passes (of the batch, in the same span), the prefill counted in both decoders.
 - tau (mean accepted length): tokens emitted per speculative decode pass: its accepted drafts
   and the token the target adds after them (at least 1).
-- call-reduction CR: AR passes / SS passes.
+- call-reduction CR: AR passes / SS passes for the same tokens (SS tokens per pass / AR
+  tokens per pass, in the spans above).
 - speedup: SS tokens/s / AR tokens/s; efficiency: speedup / CR (what a speculative pass
   costs against a plain one, inverted).
 - repeat rate: the share of the autoregressive output's 12-grams that occurred earlier in
@@ -90,7 +91,7 @@ def summarize(ar, ss):
     accepted = [a for _, s in ss for a in s.accepted]
     nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
-    cr = passes(ar) / passes(ss)
+    cr = (toks(ss) / passes(ss)) / (toks(ar) / passes(ar))  # the spans of a batch end at different tokens
     ar_rows, ss_rows = rows_of(ar), rows_of(ss)
     match = [a == b for a, b in zip(ar_rows, ss_rows)]
     first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
