@@ -309,6 +309,7 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     step, V, go = _step(model, ar_step), model.config.vocab_size, rows.going
     while go:
         sampler.draw_ahead(pick=(len(rows.rows), V))
+        rows.cache.read_to(max(rows.lengths) + 1)  # eager: attention over the slots in use only
         rows.roots = step(model, rows.cache, rows.roots, sampler, window)
         rows.stats.passes += 1
         go = rows.emit([[t] for t in rows.roots.tolist()])  # the one host sync per step
@@ -397,9 +398,11 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len, sampler, batch_size)
     go = rows.going
     one_step, V, n, D = _step(model, speculative_step), cfg.vocab_size, len(tree), tree.draft_depth
+    pass_rows = n * (1 + model.streams_in_pass(D))  # a pass writes its nodes' and their streams' keys
     while go:
         B = len(rows.rows)
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
+        rows.cache.read_to(max(rows.lengths) + pass_rows)  # eager: attention over the slots in use only
         L, draft_logits = rows.lengths[0], rows.drafts
         emitted, rows.roots, rows.drafts, step = one_step(
             model, rows.cache, rows.roots, draft_logits, tree, sampler, T - 1 - rows.cache.length, prune_threshold)

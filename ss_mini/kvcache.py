@@ -11,7 +11,8 @@ class KVCache:
     absolute positions would make left padding wrong). A pass over R rows (nodes and their
     stream rows) writes its K/V at slots L[b], L[b]+1, ... of each row, and attention reads all
     max_len slots with a mask that hides what a row must not see (`mask`, masks.py): the
-    shapes never change from step to step. `accept` then keeps each row's own path at
+    shapes of a compiled step never change from step to step (eager passes read only the
+    slots in use, `read_to`). `accept` then keeps each row's own path at
     L[b]..L[b]+a[b]-1; slots past a row's length hold stale values that the next pass
     overwrites and the mask hides. Stream rows are never accepted: streams keep no cache of
     their own (Eq. 2: they read the main stream's). One tensor for all layers: compacting the
@@ -35,7 +36,20 @@ class KVCache:
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
         self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
         self.layer_kv = [self.kv[i].transpose(1, 3).unbind(2) for i in range(n_layer)]  # (B, H, S, hd) each
+        self._spans = {}  # the layers' keys and values cut to a span of slots (`read_to`)
+        self.read_to(S)
         self._where = None  # (R, the flat slots of this pass's R rows)
+
+    def read_to(self, n_slots):
+        """Eager decoding: the next passes attend over the first n_slots slots only (rounded up to
+        a multiple of 16), where every row's prefix and pass lie; the decoder knows the lengths
+        from the tokens it emits. Fewer keys, the same attention: the mask hides the rest anyway.
+        A compiled step attends over all slots, so that its shapes never change."""
+        S = len(self.slot)
+        self.span = min(S, -(-n_slots // 16) * 16)
+        if self.span not in self._spans:
+            self._spans[self.span] = [tuple(x[:, :, :self.span] for x in kv) for kv in self.layer_kv]
+        self._read = self._spans[self.span]
 
     def _index(self, slots):
         """Flat indices of slots (B, R) of each row: (B * R,)."""
@@ -54,7 +68,7 @@ class KVCache:
         if torch.compiler.is_compiling():  # a graph makes views for free, and cannot take inputs that alias
             slots, keys_values = self.kv[layer].flatten(0, 1), self.kv[layer].transpose(1, 3).unbind(2)
         else:
-            slots, keys_values = self.layer_slots[layer], self.layer_kv[layer]
+            slots, keys_values = self.layer_slots[layer], self._read[layer]
         slots.index_copy_(0, self._where[1], kv.flatten(0, 1))
         return keys_values
 
@@ -62,7 +76,8 @@ class KVCache:
         """Each row's mask over all slots, (B, 1, R, S), from a pass's `attention_window`: slots
         < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
         R, S = window.shape[2], len(self.slot)
-        index = (S - self.length).view(-1, 1, 1, 1) + self.slot  # row b's window starts at S - L[b]
+        slots = self.slot if torch.compiler.is_compiling() else self.slot[:self.span]
+        index = (S - self.length).view(-1, 1, 1, 1) + slots  # row b's window starts at S - L[b]
         return window.expand(len(self.length), -1, -1, -1).gather(3, index.expand(-1, -1, R, -1))
 
     def accept(self, path, accepted):

@@ -187,3 +187,34 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
     assert (st.full_tokens, st.full_passes) == (st.new_tokens, st.passes)
     _, st = generate_speculative(model, prompts, 40, make_tree("2,1", 3), batch_size=2)
     assert 0 < st.full_tokens < st.new_tokens and st.full_passes < st.passes
+
+
+def test_eager_passes_read_only_the_slots_in_use(monkeypatch):
+    """KVCache.read_to: an eager pass attends over the first slots that hold any row's prefix and
+    pass, and gives the logits of a pass over every slot (float64, rows of different lengths)."""
+    model = random_model(seed=6, std=0.4, block_size=96)
+    spans, logits = [], {}
+    forward = model.forward_nodes
+
+    def spy(*args, cache=None, **kw):
+        spans.append((cache.span, int(cache.length.max())))
+        out = forward(*args, cache=cache, **kw)
+        logits.setdefault(read_all, []).append(out[0])
+        return out
+    monkeypatch.setattr(model, "forward_nodes", spy)
+    tree, prompts = make_tree("2,1", 3), [[1, 2, 3], list(range(1, 11)), [4]]
+    def read_all_slots(cache, n_slots):
+        cache.span, cache._read = len(cache.slot), cache.layer_kv
+
+    for read_all in (False, True):
+        if read_all:  # the same decode with every pass over all the cache's slots
+            monkeypatch.setattr(KVCache, "read_to", read_all_slots)
+        spans.clear()
+        out = generate_speculative(model, prompts, 12, tree)[0]
+        if not read_all:
+            first, want = out, spans[1:]  # the first pass is the prefill's, over a new cache
+    assert out == first and all(len(a) == len(b) for a, b in zip(logits[False], logits[True]))
+    for a, b in zip(logits[False], logits[True]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    S = tree.bind(model.config, "cpu", torch.float64).max_len
+    assert all(L + len(tree) * 3 <= span < S and span % 16 == 0 for span, L in want)  # fewer slots than all

@@ -103,12 +103,12 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
     T = model.config.block_size
     for p, mask, step in zip(data["passes"], used, steps):
         L = p["cache_length"]
-        # the pass's mask over all the cache's slots (one row of the batch): the prefix, then the
-        # pass's own rows, then slots it must not see
-        assert mask.shape[:2] == (1, 1) and mask.shape[-1] == tree.max_len
-        mask = mask[0, 0]
+        # the pass's mask over the cache's slots in use (one row of the batch: KVCache.read_to):
+        # the prefix, then the pass's own rows, then slots it must not see
         keys = L + p["mask_keys"]
-        assert L == step["L"] and keys <= mask.shape[1]
+        assert mask.shape[:2] == (1, 1) and keys <= mask.shape[-1] <= tree.max_len
+        mask = mask[0, 0]
+        assert L == step["L"]
         assert torch.equal(dense_mask(p["mask"], L, p["mask_keys"]), mask[:, :keys] == 0)
         assert torch.isinf(mask[:, keys:]).all()
         n, g = len(p["kept"]), p["n_streams"]
