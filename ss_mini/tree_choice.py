@@ -74,8 +74,9 @@ def decode_kwargs(cfg, tok):
 def tree_search(model, calibration, cfg, kw, log):
     """The speedup of every candidate tree that fits the model over one AR baseline, on the
     calibration prompts (or queues) with calibration_tokens new tokens each (at most
-    max_new_tokens): the median over the prompts of each prompt's speedup;
-    logs the table and returns the spec of the tree to measure: among the trees within
+    max_new_tokens): the median over the prompts of each prompt's speedup over its whole
+    decode (`prompt_speedups`: at B > 1 a queue's drain counts, so the search errs toward
+    plain decoding); logs the table and returns the spec of the tree to measure: among the trees within
     tie_margin of the fastest, the one with the fewest nodes, then the highest tau (a
     near-tie is the machine's noise, and the smaller tree is the one that two runs agree
     on). Every decoder is warmed up on the first prompt; then all take turns on each prompt
@@ -98,7 +99,7 @@ def tree_search(model, calibration, cfg, kw, log):
     log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
         f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
     log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}"
-        "  (speedup: the median over the prompts)")
+        "  (speedup: the median over the prompts, each over its whole decode)")
     for row in rows:
         spec, n, r = row
         mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
