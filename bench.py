@@ -42,7 +42,7 @@ from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_
 from ss_mini.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
-                             speculative, step_bytes, summarize, synchronize, unreliable)
+                             speculative, step_bytes, summarize, synchronize, threads, unreliable)
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.report import suite_markdown
 from ss_mini.suite import suite
@@ -231,7 +231,7 @@ def step_costs(cfg, device, dtype, log):
     B = cfg["batch_size"]
     costs, floors, ar_ms = pass_cost(model, context, batch_size=B)
     log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, {device} "
-        f"{str(dtype)[6:]}, {torch.get_num_threads()} threads; KV cache of {len(context)} tokens"
+        f"{str(dtype)[6:]}, {threads()}; KV cache of {len(context)} tokens"
         + (f"; a batch of {B} rows" if B > 1 else ""))
     log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of n nodes, "
         "in autoregressive steps:")
@@ -312,7 +312,7 @@ def bench(cfg, device, dtype, progress):
     base, draft = model.param_counts()
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
-        f"{device} {dtype}, {torch.get_num_threads()} threads" + (f"; {B} prompts at once" if B > 1 else ""))
+        f"{device} {dtype}, {threads()}" + (f"; {B} prompts at once" if B > 1 else ""))
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
     progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
     tree = choose_tree(model, calibration, cfg, kw, log)

@@ -7,7 +7,7 @@ from . import plot
 from .checkpoint import load_model
 from .cli import UsageError
 from .generate import generate_ar
-from .measure import machine, over_runs, run_interleaved, speculative, summarize
+from .measure import machine, over_runs, run_interleaved, speculative, summarize, threads
 from .tree import tree_spec
 from .tree_choice import batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts
 
@@ -51,7 +51,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         candidates = next_candidates(candidates, r["speedup_range"][0], cfg["tie_margin"])
         B *= 2
     log(f"model {cfg['out_dir']}, {mode}, {kw['max_new_tokens']} new tokens per prompt, "
-        f"{device} {dtype}, {torch.get_num_threads()} threads; at each batch size B a tree search "
+        f"{device} {dtype}, {threads()}; at each batch size B a tree search "
         f"({cfg['batch_candidates']}), then plain and speculative decoding of the same queues of prompts, B rows at "
         f"once (a row that finishes takes the next prompt), interleaved; the median of {cfg['repeats']} runs:")
     log(f"{'batch':>5} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'range':>11} {'drained':>8} "
@@ -61,10 +61,15 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
         log(f"{r['batch_size']:>5} {r['rows']:>7} {r['ar_tokens_per_s']:11.0f} {r['ss_tokens_per_s']:10.0f} "
             f"{r['speedup']:7.2f}x {low:5.2f}-{high:.2f} {r['drained_speedup']:7.2f}x {r['mean_accepted']:5.2f} "
             f"{r['tree']:>8} {r['match_rate']:9.0%} {r['ar_latency_s']:12.2f}s {r['ss_latency_s']:11.2f}s")
-    stop = next((r["batch_size"] for r in rows if r["tree"] == "none"), None)
-    log("speculation stops paying at batch size " + (f"{stop}: speculation is off from there on, because no tree "
-        f"beat plain decoding by more than {cfg['tie_margin']:.0%} there or in every run at the size below"
-        if stop else f"above {rows[-1]['batch_size']} (a tree still paid at every size)"))
+    i = next((i for i, r in enumerate(rows) if r["tree"] == "none"), None)
+    margin = f"{cfg['tie_margin']:.0%}"
+    if i is None:
+        log(f"speculation stops paying at batch size above {rows[-1]['batch_size']} (a tree still paid at every size)")
+    else:  # the search chose none there, or the size below paid within the margin in some run (next_candidates)
+        why = (f"at batch size {rows[i - 1]['batch_size']} the slowest run beat plain decoding by no more than {margin}"
+               if i and rows[i - 1]["tree"] != "none" and rows[i - 1]["speedup_range"][0] <= 1 + cfg["tie_margin"]
+               else f"no tree beat plain decoding by more than {margin} there")
+        log(f"speculation stops paying at batch size {rows[i]['batch_size']} and is off from there on: {why}")
     log("tokens/s: while all B rows decode (measure.py); drained: the speedup over each queue's whole decode, the "
         "last rows finishing one by one included; latency: the mean time until a prompt's output is complete; "
         "identical: greedy outputs equal to plain decoding's, per prompt; tree none: speculation off, plain decoding's "
@@ -72,4 +77,5 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     if cfg["plot"]:
         plot.batch_sweep(rows, cfg["plot"], f"{cfg['out_dir']}: plain and speculative decoding against batch size")
         log(f"batch sweep plotted in {cfg['plot']}")
+    stop = None if i is None else rows[i]["batch_size"]
     return {"batch_sweep": rows, "stops_paying_at": stop, "machine": machine(device, dtype)}

@@ -127,6 +127,12 @@ def prompt_speedups(ar, ss):
     return [(s.new_tokens / s.seconds) / (a.new_tokens / a.seconds) for (_, a), (_, s) in zip(ar, ss)]
 
 
+def threads():
+    """'1 thread', '2 threads': torch's intra-op threads, for a report line."""
+    n = torch.get_num_threads()
+    return f"{n} thread" + "s" * (n != 1)
+
+
 def machine(device, dtype):
     """What the numbers were measured on: the processor (the GPU's name on CUDA), threads,
     torch version and dtype."""

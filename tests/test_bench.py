@@ -185,6 +185,7 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     doc = json.loads(r.stdout)  # speculation off: the speculative column is plain decoding's own runs
     assert [(row["tree"], row["speedups"]) for row in doc["batch_sweep"]] == [("none", [1.0, 1.0])] * 2
     assert doc["stops_paying_at"] == 1
+    assert "stops paying at batch size 1 and is off from there on: no tree beat plain decoding" in r.stderr
     r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12", "--prompt_tokens=16",
             "--tree=1,1", "--repeats=1", "--json")
     assert r.returncode == 0, r.stderr
