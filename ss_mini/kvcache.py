@@ -35,8 +35,7 @@ class KVCache:
         n_layer, B, S = self.kv.shape[:3]
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
         self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
-        self.layer_kv = [self.kv[i].transpose(1, 3).unbind(2) for i in range(n_layer)]  # (B, H, S, hd) each
-        self._spans = {}  # the layers' keys and values cut to a span of slots (`read_to`)
+        self._spans = {}  # each span read so far: each layer's keys and values there (`read_to`)
         self.read_to(S)
         self._where = None  # (R, the flat slots of this pass's R rows)
 
@@ -47,8 +46,8 @@ class KVCache:
         A compiled step attends over all slots, so that its shapes never change."""
         S = len(self.slot)
         self.span = min(S, -(-n_slots // 16) * 16)
-        if self.span not in self._spans:
-            self._spans[self.span] = [tuple(x[:, :, :self.span] for x in kv) for kv in self.layer_kv]
+        if self.span not in self._spans:  # (B, H, span, hd) each
+            self._spans[self.span] = [self.kv[i, :, :self.span].transpose(1, 3).unbind(2) for i in range(len(self.kv))]
         self._read = self._spans[self.span]
 
     def _index(self, slots):
@@ -57,7 +56,8 @@ class KVCache:
 
     def write(self, layer, kv):
         """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row; return
-        the keys and values of all slots, (B, H, max_len, hd) each."""
+        the keys and values of the slots read (B, H, slots, hd) each: all max_len when compiled,
+        the first `span` eager."""
         R = kv.shape[1]
         # where the pass's rows go: made by its first layer (and again above stream insertion, more rows)
         if self._where is None or self._where[0] != R:
@@ -73,8 +73,8 @@ class KVCache:
         return keys_values
 
     def mask(self, window):
-        """Each row's mask over all slots, (B, 1, R, S), from a pass's `attention_window`: slots
-        < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
+        """Each row's mask over the slots read (as `write`), (B, 1, R, slots), from a pass's
+        `attention_window`: slots < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
         R, S = window.shape[2], len(self.slot)
         slots = self.slot if torch.compiler.is_compiling() else self.slot[:self.span]
         index = (S - self.length).view(-1, 1, 1, 1) + slots  # row b's window starts at S - L[b]

@@ -203,8 +203,10 @@ def test_eager_passes_read_only_the_slots_in_use(monkeypatch):
         return out
     monkeypatch.setattr(model, "forward_nodes", spy)
     tree, prompts = make_tree("2,1", 3), [[1, 2, 3], list(range(1, 11)), [4]]
+    read_to = KVCache.read_to
+
     def read_all_slots(cache, n_slots):
-        cache.span, cache._read = len(cache.slot), cache.layer_kv
+        read_to(cache, len(cache.slot))
 
     for read_all in (False, True):
         if read_all:  # the same decode with every pass over all the cache's slots
