@@ -35,7 +35,7 @@ class KVCache:
         n_layer, B, S = self.kv.shape[:3]
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
         self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
-        self._spans = {}  # each span read so far: each layer's keys and values there (`read_to`)
+        self._spans = {}  # each span read so far: its layers' keys and values, its slots (`read_to`)
         self.read_to(S)
         self._where = None  # (R, the flat slots of this pass's R rows)
 
@@ -46,9 +46,10 @@ class KVCache:
         A compiled step attends over all slots, so that its shapes never change."""
         S = len(self.slot)
         self.span = min(S, -(-n_slots // 16) * 16)
-        if self.span not in self._spans:  # (B, H, span, hd) each
-            self._spans[self.span] = [self.kv[i, :, :self.span].transpose(1, 3).unbind(2) for i in range(len(self.kv))]
-        self._read = self._spans[self.span]
+        if self.span not in self._spans:  # each layer's keys and values (B, H, span, hd), and the slots
+            layers = [self.kv[i, :, :self.span].transpose(1, 3).unbind(2) for i in range(len(self.kv))]
+            self._spans[self.span] = layers, self.slot[:self.span]
+        self._read, self._read_slots = self._spans[self.span]
 
     def _index(self, slots):
         """Flat indices of slots (B, R) of each row: (B * R,)."""
@@ -76,7 +77,7 @@ class KVCache:
         """Each row's mask over the slots read (as `write`), (B, 1, R, slots), from a pass's
         `attention_window`: slots < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
         R, S = window.shape[2], len(self.slot)
-        slots = self.slot if torch.compiler.is_compiling() else self.slot[:self.span]
+        slots = self.slot if torch.compiler.is_compiling() else self._read_slots
         index = (S - self.length).view(-1, 1, 1, 1) + slots  # row b's window starts at S - L[b]
         return window.expand(len(self.length), -1, -1, -1).gather(3, index.expand(-1, -1, R, -1))
 

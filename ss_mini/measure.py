@@ -124,7 +124,7 @@ def prompt_speedups(ar, ss):
     """The speedup on each prompt (or queue) of one run over its whole decode, drain included:
     the tree search's measure. Near the batch size where speculation stops paying, a queue's
     slowest rows decide whether a tree still pays, so the search errs toward plain decoding."""
-    return [(s.new_tokens / s.seconds) / (a.new_tokens / a.seconds) for (_, a), (_, s) in zip(ar, ss)]
+    return [s.tokens_per_s / a.tokens_per_s for (_, a), (_, s) in zip(ar, ss)]
 
 
 def threads():
