@@ -39,6 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.utils._pytree import tree_map
 
 from .kernels import decoding_kernels
@@ -77,9 +78,10 @@ def compiled(model):
     verify and accept as one graph (torch.compile, fullgraph=True; the prefill stays eager).
     The step's shapes do not change from step to step, so a graph serves every step of a tree
     and a batch size: CUDA replays it as a CUDA graph (mode="reduce-overhead"); a CPU runs
-    inductor's C++ wrapper, which leaves less Python around the kernels; MPS decodes eagerly.
-    The first steps pay the compilation (seconds per tree and batch size on a CPU; bench.py
-    prints it)."""
+    inductor's C++ wrapper, which leaves less Python around the kernels, with the weights frozen
+    into the graph (constants, packed for the CPU's GEMM when it compiles: compile a trained
+    model, not one that will still learn); MPS decodes eagerly. The first steps pay the
+    compilation (seconds per tree and batch size on a CPU; bench.py prints it)."""
     fast = copy.copy(model)  # a second view: the eager model stays usable beside it
     fast.compile_steps = True
     return fast
@@ -102,7 +104,16 @@ def _step(model, step):
                 return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
         else:
             # one compile thread: a pool of compile workers left beside the decoder slows it on a few cores
-            fn = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True, "compile_threads": 1})
+            graph = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True, "compile_threads": 1})
+
+            def fn(*args, **kwargs):
+                # freezing: the weights become constants of the graph, laid out once for the CPU's GEMM.
+                # Dynamo reads the switch while it traces, before a compile's options apply: set it per call
+                was, inductor_config.freezing = inductor_config.freezing, True
+                try:
+                    return graph(*args, **kwargs)
+                finally:
+                    inductor_config.freezing = was
         _COMPILED[step, device] = fn
     return _COMPILED[step, device]
 
@@ -309,7 +320,7 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     step, V, go = _step(model, ar_step), model.config.vocab_size, rows.going
     while go:
         sampler.draw_ahead(pick=(len(rows.rows), V))
-        rows.cache.read_to(max(rows.lengths) + 1)  # eager: attention over the slots in use only
+        rows.cache.read_to(rows.lengths, 1)  # eager: attention over the slots in use only
         rows.roots = step(model, rows.cache, rows.roots, sampler, window)
         rows.stats.passes += 1
         go = rows.emit([[t] for t in rows.roots.tolist()])  # the one host sync per step
@@ -402,7 +413,7 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     while go:
         B = len(rows.rows)
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
-        rows.cache.read_to(max(rows.lengths) + pass_rows)  # eager: attention over the slots in use only
+        rows.cache.read_to(rows.lengths, pass_rows)  # eager: attention over the slots in use only
         L, draft_logits = rows.lengths[0], rows.drafts
         emitted, rows.roots, rows.drafts, step = one_step(
             model, rows.cache, rows.roots, draft_logits, tree, sampler, T - 1 - rows.cache.length, prune_threshold)

@@ -36,20 +36,23 @@ class KVCache:
         self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
         self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
         self._spans = {}  # each span read so far: its layers' keys and values, its slots (`read_to`)
-        self.read_to(S)
-        self._where = None  # (R, the flat slots of this pass's R rows)
+        self.read_to([S], 0)
+        self._where = self._same_length = None  # (R, the flat slots of this pass's R rows); the rows' one length
 
-    def read_to(self, n_slots):
-        """Eager decoding: the next passes attend over the first n_slots slots only (rounded up to
-        a multiple of 16), where every row's prefix and pass lie; the decoder knows the lengths
-        from the tokens it emits. Fewer keys, the same attention: the mask hides the rest anyway.
-        A compiled step attends over all slots, so that its shapes never change."""
+    def read_to(self, lengths, pass_rows):
+        """Eager decoding: the next pass, of pass_rows rows, attends over the first slots only
+        (rounded up to a multiple of 16), where every row's prefix and pass lie; `lengths` is the
+        decoder's copy of L (a list: it knows them from the tokens it emits). Fewer keys, the same
+        attention: the mask hides the rest anyway. When every row has the same length (one row,
+        always), where the pass writes and what it sees are slices, not a gather per row. A
+        compiled step attends over all slots, so that its shapes never change."""
         S = len(self.slot)
-        self.span = min(S, -(-n_slots // 16) * 16)
+        self.span = min(S, -(-(max(lengths) + pass_rows) // 16) * 16)
         if self.span not in self._spans:  # each layer's keys and values (B, H, span, hd), and the slots
             layers = [self.kv[i, :, :self.span].transpose(1, 3).unbind(2) for i in range(len(self.kv))]
             self._spans[self.span] = layers, self.slot[:self.span]
         self._read, self._read_slots = self._spans[self.span]
+        self._same_length = lengths[0] if min(lengths) == max(lengths) else None
 
     def _index(self, slots):
         """Flat indices of slots (B, R) of each row: (B * R,)."""
@@ -65,7 +68,9 @@ class KVCache:
             if kv.requires_grad:
                 raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
                                    "torch.inference_mode()")
-            self._where = R, self._index(self.length[:, None] + self.slot[:R])
+            L = None if torch.compiler.is_compiling() else self._same_length  # a graph takes no lengths from the host
+            where = self._index(self.length[:, None] + self.slot[:R]) if L is None else self.first_slot[:, L:L + R]
+            self._where = R, where.flatten()
         if torch.compiler.is_compiling():  # a graph makes views for free, and cannot take inputs that alias
             slots, keys_values = self.kv[layer].flatten(0, 1), self.kv[layer].transpose(1, 3).unbind(2)
         else:
@@ -77,6 +82,8 @@ class KVCache:
         """Each row's mask over the slots read (as `write`), (B, 1, R, slots), from a pass's
         `attention_window`: slots < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
         R, S = window.shape[2], len(self.slot)
+        if not torch.compiler.is_compiling() and self._same_length is not None:  # (a graph never reads it)
+            return window[..., S - self._same_length:S - self._same_length + self.span]
         slots = self.slot if torch.compiler.is_compiling() else self._read_slots
         index = (S - self.length).view(-1, 1, 1, 1) + slots  # row b's window starts at S - L[b]
         return window.expand(len(self.length), -1, -1, -1).gather(3, index.expand(-1, -1, R, -1))
@@ -93,12 +100,12 @@ class KVCache:
     def advance(self, accepted):
         """L += accepted: the first accepted[b] rows of the pass are already in place (a chain)."""
         self.length += accepted
-        self._where = None
+        self._where = self._same_length = None
 
     def rewind(self, length):
         """Every row back to `length` tokens (a benchmark repeats one step)."""
         self.length.fill_(length)
-        self._where = None
+        self._where = self._same_length = None
 
     def keep_rows(self, rows):
         """Only these rows go on (the others finished): (B',) row indices."""
@@ -109,4 +116,4 @@ class KVCache:
         """Rows of this cache replaced by the rows of another (a rebuilt window)."""
         self.kv[:, rows] = other.kv  # in place: the layers' views stay valid
         self.length[rows] = other.length
-        self._where = None
+        self._where = self._same_length = None

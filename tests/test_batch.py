@@ -189,9 +189,12 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
     assert 0 < st.full_tokens < st.new_tokens and st.full_passes < st.passes
 
 
-def test_eager_passes_read_only_the_slots_in_use(monkeypatch):
+@pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]], [[5, 6, 7, 8]]])
+def test_eager_passes_read_only_the_slots_in_use(monkeypatch, prompts):
     """KVCache.read_to: an eager pass attends over the first slots that hold any row's prefix and
-    pass, and gives the logits of a pass over every slot (float64, rows of different lengths)."""
+    pass, and gives the logits of a pass over every slot (float64). Rows of one length (one row
+    always) write and mask by slices: the same logits as the gather that rows of different
+    lengths need."""
     model = random_model(seed=6, std=0.4, block_size=96)
     spans, logits = [], {}
     forward = model.forward_nodes
@@ -199,24 +202,30 @@ def test_eager_passes_read_only_the_slots_in_use(monkeypatch):
     def spy(*args, cache=None, **kw):
         spans.append((cache.span, int(cache.length.max())))
         out = forward(*args, cache=cache, **kw)
-        logits.setdefault(read_all, []).append(out[0])
+        logits.setdefault(how, []).append(out[0])
         return out
     monkeypatch.setattr(model, "forward_nodes", spy)
-    tree, prompts = make_tree("2,1", 3), [[1, 2, 3], list(range(1, 11)), [4]]
+    tree = make_tree("2,1", 3)
     read_to = KVCache.read_to
 
-    def read_all_slots(cache, n_slots):
-        read_to(cache, len(cache.slot))
+    def read_all_slots(cache, lengths, pass_rows):
+        read_to(cache, lengths, len(cache.slot))
 
-    for read_all in (False, True):
-        if read_all:  # the same decode with every pass over all the cache's slots
-            monkeypatch.setattr(KVCache, "read_to", read_all_slots)
+    def gather_per_row(cache, lengths, pass_rows):
+        read_to(cache, lengths, len(cache.slot))
+        cache._same_length = None
+
+    for how in ("span", read_all_slots, gather_per_row):  # the same decode with every pass over all slots
+        if how != "span":
+            monkeypatch.setattr(KVCache, "read_to", how)
         spans.clear()
         out = generate_speculative(model, prompts, 12, tree)[0]
-        if not read_all:
+        if how == "span":
             first, want = out, spans[1:]  # the first pass is the prefill's, over a new cache
-    assert out == first and all(len(a) == len(b) for a, b in zip(logits[False], logits[True]))
-    for a, b in zip(logits[False], logits[True]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert out == first
+    for how in (read_all_slots, gather_per_row):
+        assert len(logits[how]) == len(logits["span"])
+        for a, b in zip(logits["span"], logits[how]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     S = tree.bind(model.config, "cpu", torch.float64).max_len
     assert all(L + len(tree) * 3 <= span < S and span % 16 == 0 for span, L in want)  # fewer slots than all
