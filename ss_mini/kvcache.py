@@ -1,5 +1,5 @@
-"""The KV cache of decoding: one preallocated tensor for all layers and a batch of rows, a
-length per row, and the compaction of each row's accepted tree path (paper §3.2: accept)."""
+"""The KV cache of decoding: one preallocated tensor per layer for a batch of rows, a length
+per row, and the compaction of each row's accepted tree path (paper §3.2: accept)."""
 import torch
 
 
@@ -15,15 +15,17 @@ class KVCache:
     slots in use, `read_to`). `accept` then keeps each row's own path at
     L[b]..L[b]+a[b]-1; slots past a row's length hold stale values that the next pass
     overwrites and the mask hides. Stream rows are never accepted: streams keep no cache of
-    their own (Eq. 2: they read the main stream's). One tensor for all layers: compacting the
-    accepted paths of every row is one gather and one scatter.
+    their own (Eq. 2: they read the main stream's). One tensor per layer, as in gpt-fast: a
+    compiled step then writes each in place, where a tensor that several layers write is
+    copied whole by the compiler's functional form of the writes, at every step.
     """
 
     def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32):
         hd = config.n_embd // config.n_head
-        # (layer, row, slot, key or value, head, head dim): a slot's keys and values are one run of
-        # memory, so writing or moving a slot copies one vector (index_copy_ over flat slots)
-        self.kv = torch.zeros(config.n_layer, batch_size, max_len, 2, config.n_head, hd, device=device, dtype=dtype)
+        # per layer (row, slot, key or value, head, head dim): a slot's keys and values are one run
+        # of memory, so writing or moving a slot copies one vector (index_copy_ over flat slots)
+        self.kv = [torch.zeros(batch_size, max_len, 2, config.n_head, hd, device=device, dtype=dtype)
+                   for _ in range(config.n_layer)]
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slot = torch.arange(max_len, device=device)
         self._views()
@@ -32,9 +34,9 @@ class KVCache:
         """Per set of rows: where each row's slots start in a layer seen as one flat run of slots,
         and each layer's views (its flat slots to write, its keys and values to read), made once:
         a decoding step would otherwise spend a few tensor operations per layer remaking them."""
-        n_layer, B, S = self.kv.shape[:3]
-        self.first_slot = (torch.arange(B, device=self.kv.device) * S)[:, None] + self.slot  # (B, S)
-        self.layer_slots = [self.kv[i].flatten(0, 1) for i in range(n_layer)]  # (B * S, 2, H, hd)
+        B, S = self.kv[0].shape[:2]
+        self.first_slot = (torch.arange(B, device=self.slot.device) * S)[:, None] + self.slot  # (B, S)
+        self.layer_slots = [kv.flatten(0, 1) for kv in self.kv]  # (B * S, 2, H, hd)
         self._spans = {}  # each span read so far: its layers' keys and values, its slots (`read_to`)
         self.read_to([S], 0)
         self._where = self._same_length = None  # (R, the flat slots of this pass's R rows); the rows' one length
@@ -49,7 +51,7 @@ class KVCache:
         S = len(self.slot)
         self.span = min(S, -(-(max(lengths) + pass_rows) // 16) * 16)
         if self.span not in self._spans:  # each layer's keys and values (B, H, span, hd), and the slots
-            layers = [self.kv[i, :, :self.span].transpose(1, 3).unbind(2) for i in range(len(self.kv))]
+            layers = [kv[:, :self.span].transpose(1, 3).unbind(2) for kv in self.kv]
             self._spans[self.span] = layers, self.slot[:self.span]
         self._read, self._read_slots = self._spans[self.span]
         self._same_length = lengths[0] if min(lengths) == max(lengths) else None
@@ -71,12 +73,14 @@ class KVCache:
             L = None if torch.compiler.is_compiling() else self._same_length  # a graph takes no lengths from the host
             where = self._index(self.length[:, None] + self.slot[:R]) if L is None else self.first_slot[:, L:L + R]
             self._where = R, where.flatten()
-        if torch.compiler.is_compiling():  # a graph makes views for free, and cannot take inputs that alias
-            slots, keys_values = self.kv[layer].flatten(0, 1), self.kv[layer].transpose(1, 3).unbind(2)
-        else:
-            slots, keys_values = self.layer_slots[layer], self._read[layer]
-        slots.index_copy_(0, self._where[1], kv.flatten(0, 1))
+        keys_values = self.kv[layer].transpose(1, 3).unbind(2) if torch.compiler.is_compiling() else self._read[layer]
+        self._slots(layer).index_copy_(0, self._where[1], kv.flatten(0, 1))
         return keys_values
+
+    def _slots(self, layer):
+        """A layer's slots as one flat run (B * S, 2, H, hd): a graph makes the view itself, for
+        free (it cannot take inputs that alias), eager decoding reuses the one made by `_views`."""
+        return self.kv[layer].flatten(0, 1) if torch.compiler.is_compiling() else self.layer_slots[layer]
 
     def mask(self, window):
         """Each row's mask over the slots read (as `write`), (B, 1, R, slots), from a pass's
@@ -93,8 +97,10 @@ class KVCache:
         L[b] + i, and L[b] += accepted[b]. path (B, P) holds node indices, root first, padded
         past a row's accepted length with any node (those slots lie past the new length)."""
         src = self._index(self.length[:, None] + path)
-        flat = self.kv.flatten(1, 2)  # every layer at once
-        flat.index_copy_(1, self._index(self.length[:, None] + self.slot[:path.shape[1]]), flat.index_select(1, src))
+        dst = self._index(self.length[:, None] + self.slot[:path.shape[1]])
+        for layer in range(len(self.kv)):
+            slots = self._slots(layer)
+            slots.index_copy_(0, dst, slots.index_select(0, src))
         self.advance(accepted)
 
     def advance(self, accepted):
@@ -109,11 +115,12 @@ class KVCache:
 
     def keep_rows(self, rows):
         """Only these rows go on (the others finished): (B',) row indices."""
-        self.kv, self.length = self.kv[:, rows], self.length[rows]
+        self.kv, self.length = [kv[rows] for kv in self.kv], self.length[rows]
         self._views()
 
     def put_rows(self, rows, other):
         """Rows of this cache replaced by the rows of another (a rebuilt window)."""
-        self.kv[:, rows] = other.kv  # in place: the layers' views stay valid
+        for kv, new in zip(self.kv, other.kv):
+            kv[rows] = new  # in place: the layers' views stay valid
         self.length[rows] = other.length
         self._where = self._same_length = None

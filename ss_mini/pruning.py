@@ -52,7 +52,8 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
             shape = tree.subshape(shape, kept)
             k = torch.tensor(kept, device=h.device)
             first_msa = model.config.n_layer - model.config.n_msa_layers
-            cache.kv[:first_msa, :, L:L + len(kept)] = cache.kv[:first_msa, :, L + k]
+            for kv in cache.kv[:first_msa]:
+                kv[:, L:L + len(kept)] = kv[:, L + k]
             h, tokens = h[:, k], tokens[:, k]
     return (tokens, shape, *model.forward_top(h, cache.mask(shape.window), cache=cache,
                                               draft_depth=tree.draft_depth))

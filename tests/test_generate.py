@@ -423,7 +423,7 @@ def test_pruning_keeps_the_cache_consistent():
     cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
     fresh, _, _ = _prefill(model, [seq], tree.draft_depth, tree.max_len)
     assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
-    torch.testing.assert_close(cache.kv[:, :, :len(seq)], fresh.kv[:, :, :len(seq)], rtol=0, atol=1e-10)
+    torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(seq)], torch.stack(fresh.kv)[:, :, :len(seq)], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("drafter", ["streams", "medusa"])

@@ -391,7 +391,7 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch
         ctx = ctx + [tokens[v] for v in path]
         fresh, _, _ = _prefill(model, ctx)
         assert cache.length.tolist() == fresh.length.tolist() == [len(ctx)]
-        torch.testing.assert_close(cache.kv[:, :, :len(ctx)], fresh.kv[:, :, :len(ctx)], rtol=0, atol=1e-10)
+        torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(ctx)], torch.stack(fresh.kv)[:, :, :len(ctx)], rtol=0, atol=1e-10)
 
 
 def test_config_errors():
