@@ -65,7 +65,8 @@ config = dict(
     batch_size=1,  # prompts decoded at once, as one batch (rows drawn from the prompts, of different lengths)
     batch_sweep=False,  # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
     batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each batch size
-    max_batch_size=1024,  # --batch_sweep: 1, 2, 4, ..., 32, and on while plain decoding still gains 10%, up to this
+    max_batch_size=256,  # --batch_sweep: 1, 2, 4, ..., 32, and on while plain decoding still gains 10%, up to this
+    # (a size B decodes 4 B prompts per run: the sweep stays within minutes; raise it where more rows gain)
     calibration_tokens=256,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
     tie_margin=0.02,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
     repeats=3,  # measurement runs after one tree search (each batch size of --batch_sweep): the median speedup and its range

@@ -292,7 +292,7 @@ class Batch:
 def ar_window(cache):
     """The attention window of a one-token pass: a row sees its prefix and itself (masks.py)."""
     one = torch.ones(1, 1, 1, dtype=torch.bool, device=cache.slot.device)
-    return attention_window(one, len(cache.slot), cache.kv[0].dtype)
+    return attention_window(one, cache.max_len, cache.kv[0].dtype)
 
 
 def ar_step(model, cache, root, sampler, window):

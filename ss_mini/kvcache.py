@@ -27,7 +27,7 @@ class KVCache:
         self.kv = [torch.zeros(batch_size, max_len, 2, config.n_head, hd, device=device, dtype=dtype)
                    for _ in range(config.n_layer)]
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.slot = torch.arange(max_len, device=device)
+        self.slot, self.max_len = torch.arange(max_len, device=device), max_len
         self._views()
 
     def _views(self):
@@ -48,13 +48,13 @@ class KVCache:
         attention: the mask hides the rest anyway. When every row has the same length (one row,
         always), where the pass writes and what it sees are slices, not a gather per row. A
         compiled step attends over all slots, so that its shapes never change."""
-        S = len(self.slot)
-        self.span = min(S, -(-(max(lengths) + pass_rows) // 16) * 16)
+        S, longest = self.max_len, max(lengths)
+        self.span = min(S, -(-(longest + pass_rows) // 16) * 16)
         if self.span not in self._spans:  # each layer's keys and values (B, H, span, hd), and the slots
             layers = [kv[:, :self.span].transpose(1, 3).unbind(2) for kv in self.kv]
             self._spans[self.span] = layers, self.slot[:self.span]
         self._read, self._read_slots = self._spans[self.span]
-        self._same_length = lengths[0] if min(lengths) == max(lengths) else None
+        self._same_length = longest if min(lengths) == longest else None
 
     def _index(self, slots):
         """Flat indices of slots (B, R) of each row: (B * R,)."""
@@ -85,7 +85,7 @@ class KVCache:
     def mask(self, window):
         """Each row's mask over the slots read (as `write`), (B, 1, R, slots), from a pass's
         `attention_window`: slots < L[b] are the prefix, the pass sits at L[b].. (masks.py)."""
-        R, S = window.shape[2], len(self.slot)
+        R, S = window.shape[2], self.max_len
         if not torch.compiler.is_compiling() and self._same_length is not None:  # (a graph never reads it)
             return window[..., S - self._same_length:S - self._same_length + self.span]
         slots = self.slot if torch.compiler.is_compiling() else self._read_slots

@@ -218,8 +218,10 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
     verify, accept: `speculative_step`) divided by that of one autoregressive step
     (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
-    `steps` steps of each, interleaved. Every step starts from the same cache length, root
-    and drafts; batch_size rows, all of the same context, step together.
+    `steps` steps of each, interleaved, each timed right after one of its own kind (a compiled
+    step's frozen weights are its own copy: after other steps they would be out of the CPU's
+    caches, as they never are in decoding). Every step starts from the same cache length,
+    root and drafts; batch_size rows, all of the same context, step together.
 
     Also the floor that no leaner step goes below on this machine, up to the timing's noise
     (a few hundredths): 1 + (the matrix products of the speculative pass - those of the
@@ -253,14 +255,15 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     for i in range(warmup + steps):
         keys = list(steps_of)
         for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            synchronize(dev)
-            t0 = time.perf_counter()
-            steps_of[k]()
-            synchronize(dev)
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-            for cache, _, _ in caches.values():
-                cache.rewind(L)
+            for warm in (False, True):  # time the second of two: in decoding a step follows its own kind
+                synchronize(dev)
+                t0 = time.perf_counter()
+                steps_of[k]()
+                synchronize(dev)
+                if warm and i >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+                for cache, _, _ in caches.values():
+                    cache.rewind(L)
     med = {k: statistics.median(v) for k, v in times.items()}
     costs = {n: med[n] / med["ar"] for n in sizes}
     floors = {n: 1 + (med[f"products {n}"] - med["products ar"]) / med["ar"] for n in sizes}
