@@ -91,20 +91,22 @@ _COMPILED = {}
 
 
 def _step(model, step):
-    """`step` (ar_step or speculative_step) as the decoders run it: compiled for a `compiled` model."""
+    """`step` (ar_step or speculative_step) as the decoders run it: compiled for a `compiled` model.
+    dynamic=False: a static graph per tree and batch size (dynamo would otherwise make a size that
+    changed symbolic, and compile again when a later step leaves the range it guarded)."""
     device = model.lm_head.weight.device.type
     if not getattr(model, "compile_steps", False) or device == "mps":
         return step
     if (step, device) not in _COMPILED:
         if device == "cuda":  # CUDA graphs: a replay writes its outputs into the same buffers, so keep copies
-            graph = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+            graph = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
             def fn(*args, **kwargs):
                 torch.compiler.cudagraph_mark_step_begin()
                 return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
         else:
             # one compile thread: a pool of compile workers left beside the decoder slows it on a few cores
-            graph = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True, "compile_threads": 1})
+            graph = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True, "compile_threads": 1})
 
             def fn(*args, **kwargs):
                 # freezing: the weights become constants of the graph, laid out once for the CPU's GEMM.

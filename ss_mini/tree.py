@@ -140,7 +140,7 @@ class _Tree:
             self.max_len = config.block_size + len(self) * (1 + draft_depth)  # the cache: accepted + a pass's rows
             self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
             self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
-            self._fixed = None  # a Cartesian tree's one shape, for the last batch size
+            self._fixed = {}  # a Cartesian tree's one shape, per batch size
         return self
 
     def __len__(self):
@@ -176,11 +176,14 @@ class CartesianTree(_Tree):
     def shape(self, draft_logits, draft_probs=None, max_depth=None):
         """The fixed shape, the same for every row and every step (built once per batch size)."""
         B = draft_logits.shape[0]
-        if self._fixed is None or self._fixed.n_rows != B:
+        fixed = self._fixed.get(B)
+        if fixed is None:
             t = self.template
             sel = torch.arange(t.size, device=t.depth.device).expand(B, -1)
-            self._fixed = TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
-        return self._fixed
+            fixed = TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
+            if not torch.compiler.is_compiling():  # a graph folds it into constants: keeping it would change
+                self._fixed[B] = fixed              # what the graph's guards saw, and compile it again
+        return fixed
 
     def __repr__(self):
         return ",".join(map(str, self.ks))

@@ -82,8 +82,10 @@ def test_compiled_decoders_match_eager():
     kw = dict(temperature=0.9, top_k=5, seed=3)
     assert generate_speculative(fast, [1, 2], 20, tree, **kw)[0] == generate_speculative(model, [1, 2], 20, tree, **kw)[0]
     assert not getattr(model, "compile_steps", False)  # the eager model is untouched
-    with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every step: nothing the host changes
-        generate_ar(fast, [7, 8], 60)                     # per step (a length, a span) reaches it
+    tree = make_tree("2,1", 3)  # new to this model: its first step compiles, and no later one may
+    generate_speculative(fast, [7, 8], 4, tree)
+    with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every step: nothing the host
+        generate_ar(fast, [7, 8], 60)                     # changes per step (a length, a span) reaches it
         generate_speculative(fast, [7, 8], 60, tree)
 
 
