@@ -186,8 +186,9 @@ class Batch:
     prompt waiting (continuous batching: one prefill pass for the prompts that join), and when
     none waits it leaves, with its cache row. A row whose cache is full rebuilds it from its
     last block_size // 2 tokens (the sliding window of one sequence, row by row). With
-    compiled steps a finished row rides along, its tokens dropped, until half the batch is
-    done: each new batch size is a new graph, so the batch shrinks by halves (`_step`)."""
+    compiled steps a finished row rides along, its tokens dropped, until the batch is done:
+    each new batch size would be a new graph (`_step`), whose compilation costs more than the
+    drain's steps over the full batch."""
 
     def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, draft_depth, cache_slots, sampler, max_rows=None):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
@@ -199,7 +200,7 @@ class Batch:
         self.queue = list(range(len(prompts)))  # prompts waiting for a row
         self.done = set()  # prompts whose output is complete (rows that still ride along: compiled steps)
         self.emitted = 0  # tokens emitted so far (end-of-text not counted)
-        self.by_halves = getattr(model, "compile_steps", False)
+        self.ride_along = getattr(model, "compile_steps", False)
         n = min(max_rows or len(prompts), len(prompts))
         self.rows, self.queue = self.queue[:n], self.queue[n:]  # the prompt in each row
         self.lengths = [len(self.ctx[b]) for b in self.rows]  # the host's copy of cache.length, from the tokens it emits
@@ -244,8 +245,8 @@ class Batch:
         if free and self.queue:
             return self.join(free[:len(self.queue)])
         keep = [i for i, b in enumerate(self.rows) if b not in self.done]
-        if self.by_halves and keep and 2 * len(keep) > len(self.rows):
-            keep = list(range(len(self.rows)))  # finished rows ride along until half the batch is done
+        if self.ride_along and keep:
+            keep = list(range(len(self.rows)))  # finished rows ride along: one graph per batch size
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.long, device=self.cache.length.device)
             self.cache.keep_rows(index)
