@@ -173,6 +173,7 @@ def _prefill(model, ctxs, draft_depth, cache_slots):
     causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
     g = model.streams_in_pass(draft_depth)
     window = attention_window(stream_rows_mask(causal, g, stream_idx=last), cache_slots, w.dtype)
+    cache.read_to([0] * B, window.shape[2])  # attention over the pass's own slots only
     main_logits, draft_logits = model.forward_nodes(idx, torch.arange(n, device=w.device), cache.mask(window),
                                                     cache=cache, stream_idx=last, draft_depth=draft_depth, main_idx=last)
     cache.advance(last[:, 0] + 1)
@@ -215,6 +216,7 @@ class Batch:
         pass cached the previous root and the drafts (cached=False: a prefill's first roots).
         Rows that finish hand their place on or leave the batch, full caches are rebuilt.
         Returns False when every output is complete."""
+        finished = False
         for i, (b, toks) in enumerate(zip(self.rows, new)):
             if not toks:  # a row that did not take part (a prompt joining beside it)
                 continue
@@ -238,15 +240,29 @@ class Batch:
             if (out and out[-1] == self.eot) or len(out) >= self.max_new:
                 self.stats.row_seconds[b] = time.perf_counter() - self.started[b]
                 self.done.add(b)
-        free = [i for i, b in enumerate(self.rows) if b in self.done]
-        if len(free) > len(self.queue) and not self.stats.full_seconds:  # from here on, fewer rows decode
-            st = self.stats
-            st.full_tokens, st.full_seconds, st.full_passes = self.emitted, time.perf_counter() - self.t0, st.passes
-        if free and self.queue:
-            return self.join(free[:len(self.queue)])
-        keep = [i for i, b in enumerate(self.rows) if b not in self.done]
-        if self.ride_along and keep:
-            keep = list(range(len(self.rows)))  # finished rows ride along: one graph per batch size
+                finished = True
+        if finished:
+            free = [i for i, b in enumerate(self.rows) if b in self.done]
+            if len(free) > len(self.queue) and not self.stats.full_seconds:  # from here on, fewer rows decode
+                st = self.stats
+                st.full_tokens, st.full_seconds, st.full_passes = self.emitted, time.perf_counter() - self.t0, st.passes
+            if self.queue:
+                return self.join(free[:len(self.queue)])
+            if len(self.done) == len(self.out):
+                return False
+            if not self.ride_along:  # (finished rows ride along a compiled step: one graph per batch size)
+                self.leave([i for i, b in enumerate(self.rows) if b not in self.done])
+        T = self.model.config.block_size
+        if T in self.lengths:  # sliding window: rebuild these rows from their last T // 2 tokens (one pass)
+            full = [i for i, L in enumerate(self.lengths) if L == T]
+            for i in full:
+                self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
+                self.lengths[i] = T // 2
+            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.draft_depth, self.slots))
+        return True
+
+    def leave(self, keep):
+        """Only the rows `keep` (indices) go on: the others leave the batch, with their cache rows."""
         if len(keep) < len(self.rows):
             index = torch.tensor(keep, dtype=torch.long, device=self.cache.length.device)
             self.cache.keep_rows(index)
@@ -254,14 +270,6 @@ class Batch:
             self.drafts = self.drafts[index] if self.drafts is not None else None
             self.rows, self.lengths = [self.rows[i] for i in keep], [self.lengths[i] for i in keep]
             self.out_root = [self.out_root[i] for i in keep]
-        T = self.model.config.block_size
-        full = [i for i, L in enumerate(self.lengths) if L == T]
-        if full:  # sliding window: rebuild these rows from their last T // 2 tokens (one pass)
-            for i in full:
-                self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
-                self.lengths[i] = T // 2
-            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.draft_depth, self.slots))
-        return len(self.done) < len(self.out)
 
     def join(self, free):
         """The next prompts waiting take the rows `free`: one prefill pass, then their first tokens."""
@@ -337,10 +345,10 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     root: (B,) the next token of each row, decided but not yet cached; draft_logits: (B, D, V)
     the streams' logits at each row's last accepted position; max_depth (B,): the deepest node
     a row may accept (its positions stay < block_size). Returns (emitted, root, draft_logits,
-    pass): emitted (B, D+3) = [a, the path's tokens (root first, padded), the next root] of
-    each row, where a (1 to D+1) is the number of nodes it accepted, so the pass emits the
-    path's a - 1 drafts and the next root; the next roots (B,); the next draft logits
-    (B, D, V); and what the pass drafted, verified and accepted (a dict: trace.py).
+    pass): emitted (B, D+2) = [a, the target's tokens at the path's nodes (padded)] of each row,
+    where a (1 to D+1) is the number of nodes it accepted: the pass emits a tokens, the path's
+    a - 1 drafts and the next root; the next roots (B,); the next draft logits (B, D, V); and
+    what the pass drafted, verified and accepted (a dict: trace.py).
     """
     T = model.config.block_size
     # 1. tree draft: candidates ranked per depth, placed into the tree's shape (per row for a budget tree)
@@ -360,17 +368,19 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth,
     ys = sampler.verify(main_logits, draft_probs, ranked, shape)
     miss = (tokens != ys.gather(1, shape.parent)) | (shape.depth > max_depth[:, None])
     accepted = (shape.depth + 1).masked_fill_((shape.anc & miss[:, None, :]).any(-1), 0)
-    last = accepted.argmax(1)  # the deepest accepted node
-    path, root = shape.path[shape.row, last], ys[shape.row, last]
+    # the deepest accepted node ends the path (one per depth at most), as an index into the batch's
+    # nodes (B * n): index_select and take copy only the rows wanted (advanced indexing is slower)
+    last = accepted.argmax(1) + shape.first_node
+    path, accepted, root = shape.path.flatten(0, 1).index_select(0, last), accepted.take(last), ys.take(last)
     # 4. accept: keep each row's path in its cache; the streams of its last node draft the next step
-    accepted = accepted[shape.row, last]
     if tree.is_chain:
         cache.advance(accepted)
     else:
         cache.accept(path, accepted)
-    emitted = torch.cat([accepted[:, None], tokens.gather(1, path), root[:, None]], dim=1)
+    # the target's tokens at the path's nodes: its accepted drafts, then the next root
+    emitted = torch.cat([accepted[:, None], ys.gather(1, path)], dim=1)
     step = dict(drafted=drafted, tokens=tokens, shape=shape, ys=ys, path=path, draft_probs=draft_probs)
-    return emitted, root, all_drafts[shape.row, last], step
+    return emitted, root, all_drafts.flatten(0, 1).index_select(0, last), step
 
 
 def _on_pass(on_pass, L, draft_logits, step, a, root, draft_depth):
@@ -425,5 +435,5 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         rows.stats.nodes.append(step["shape"].n_nodes)
         if on_pass is not None:
             _on_pass(on_pass, L, draft_logits, step, emitted[0][0], rows.roots, tree.draft_depth)
-        go = rows.emit([path[1:a] + [y] for a, *path, y in emitted])
+        go = rows.emit([row[1:1 + row[0]] for row in emitted])
     return rows.finish(single)

@@ -64,18 +64,18 @@ class KVCache:
         """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row; return
         the keys and values of the slots read (B, H, slots, hd) each: all max_len when compiled,
         the first `span` eager."""
+        if kv.requires_grad:
+            raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
+                               "torch.inference_mode()")
         R = kv.shape[1]
-        # where the pass's rows go: made by its first layer (and again above stream insertion, more rows)
-        if self._where is None or self._where[0] != R:
-            if kv.requires_grad:
-                raise RuntimeError("a KV cache keeps no autograd history: decode under torch.no_grad() or "
-                                   "torch.inference_mode()")
-            L = None if torch.compiler.is_compiling() else self._same_length  # a graph takes no lengths from the host
-            where = self._index(self.length[:, None] + self.slot[:R]) if L is None else self.first_slot[:, L:L + R]
-            self._where = R, where.flatten()
-        keys_values = self.kv[layer].transpose(1, 3).unbind(2) if torch.compiler.is_compiling() else self._read[layer]
+        if not torch.compiler.is_compiling() and self._same_length is not None:  # rows of one length: a slice
+            L = self._same_length  # (read only outside a graph, which would otherwise guard on it)
+            self.kv[layer][:, L:L + R] = kv
+            return self._read[layer]
+        if self._where is None or self._where[0] != R:  # made by the first layer (and again above stream insertion)
+            self._where = R, self._index(self.length[:, None] + self.slot[:R])
         self._slots(layer).index_copy_(0, self._where[1], kv.flatten(0, 1))
-        return keys_values
+        return self.kv[layer].transpose(1, 3).unbind(2) if torch.compiler.is_compiling() else self._read[layer]
 
     def _slots(self, layer):
         """A layer's slots as one flat run (B * S, 2, H, hd): a graph makes the view itself, for

@@ -54,7 +54,7 @@ class TreeShape:
         B, n = sel.shape
         self.n_rows, self.n_nodes, self.width = B, n, width
         self.sel = sel  # which template nodes: (B, n), ascending, so a parent comes before its children
-        self.row = torch.arange(B, device=sel.device)
+        self.first_node = torch.arange(B, device=sel.device) * n  # each row's first node among the batch's B * n
         self.depth, self.rank = t.depth[sel], t.rank[sel]
         self.gather = t.gather[sel][:, 1:]
         inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template node -> its index here
