@@ -90,6 +90,13 @@ def compiled(model):
 _COMPILED = {}
 
 
+def _guards_to_keep(guards):
+    """Which of dynamo's checks a compiled CPU step keeps before each call: all but the ~400 on the
+    model's modules (a few percent of a step), except each weight's identity, so that a graph with
+    frozen weights never serves another model (tests/test_generate.py)."""
+    return [not g.orig_guard.source.is_unspecialized_nn_module() or g.guard_type == "ID_MATCH" for g in guards]
+
+
 def _step(model, step):
     """`step` (ar_step or speculative_step) as the decoders run it: compiled for a `compiled` model.
     dynamic=False: a static graph per tree and batch size (dynamo would otherwise make a size that
@@ -106,7 +113,9 @@ def _step(model, step):
                 return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
         else:
             # one compile thread: a pool of compile workers left beside the decoder slows it on a few cores
-            graph = torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True, "compile_threads": 1})
+            graph = torch.compile(step, fullgraph=True, dynamic=False, options={
+                "cpp_wrapper": True, "compile_threads": 1,
+                "guard_filter_fn": _guards_to_keep})
 
             def fn(*args, **kwargs):
                 # freezing: the weights become constants of the graph, laid out once for the CPU's GEMM.

@@ -87,6 +87,13 @@ def test_compiled_decoders_match_eager():
     with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every step: nothing the host
         generate_ar(fast, [7, 8], 60)                     # changes per step (a length, a span) reaches it
         generate_speculative(fast, [7, 8], 60, tree)
+    # a second compiled model of the same shapes decodes with its own graphs, never the first one's
+    # (a CPU graph skips dynamo's checks of the modules, but not of each weight's identity)
+    model2 = random_model(seed=2, dtype=torch.float32, std=0.4, n_layer=2)
+    fast2, ar2 = compiled(model2), generate_ar(model2, [7, 8], 30)[0]
+    assert ar2 != generate_ar(model, [7, 8], 30)[0]
+    assert generate_ar(fast2, [7, 8], 30)[0] == ar2 and generate_speculative(fast2, [7, 8], 30, tree)[0] == ar2
+    assert generate_speculative(fast, [7, 8], 30, tree)[0] == generate_ar(model, [7, 8], 30)[0]
 
 
 def _draft(tree, root, q, max_depth, vocab_size):
