@@ -91,9 +91,9 @@ _COMPILED = {}
 
 
 def _guards_to_keep(guards):
-    """Which of dynamo's checks a compiled CPU step keeps before each call: all but the ~400 on the
-    model's modules (a few percent of a step), except each weight's identity, so that a graph with
-    frozen weights never serves another model (tests/test_generate.py)."""
+    """Which of dynamo's checks a compiled CPU step keeps before each call: not those on the model's
+    modules (most of them, and their cost shows in a small step; docs/static-step.md), but each
+    weight's identity, so that a graph with frozen weights never serves another model."""
     return [not g.orig_guard.source.is_unspecialized_nn_module() or g.guard_type == "ID_MATCH" for g in guards]
 
 
