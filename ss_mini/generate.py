@@ -113,9 +113,10 @@ def _step(model, step):
                 return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, graph(*args, **kwargs))
         else:
             # one compile thread: a pool of compile workers left beside the decoder slows it on a few cores
-            graph = torch.compile(step, fullgraph=True, dynamic=False, options={
-                "cpp_wrapper": True, "compile_threads": 1,
-                "guard_filter_fn": _guards_to_keep})
+            options = {"cpp_wrapper": True, "compile_threads": 1}
+            if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # a torch that filters guards
+                options["guard_filter_fn"] = _guards_to_keep
+            graph = torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
             def fn(*args, **kwargs):
                 # freezing: the weights become constants of the graph, laid out once for the CPU's GEMM.
