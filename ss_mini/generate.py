@@ -348,48 +348,68 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     return rows.finish(single)
 
 
-def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth, prune_threshold=0.0):
+def depth_limit(model, cache, lengths, depth):
+    """max_depth of `speculative_step` for a tree `depth` deep over rows of these lengths (the
+    host's copy of cache.length): the deepest node each row may accept, so that its positions stay
+    below block_size, or None when no node reaches block_size (the step then skips that test). A
+    compiled step always tests: a graph for each case would compile twice."""
+    T = model.config.block_size
+    if getattr(model, "compile_steps", False) or max(lengths) + depth >= T:
+        return T - 1 - cache.length
+    return None
+
+
+def speculative_step(model, cache, root, draft_logits, tree, sampler, max_depth=None, prune_threshold=0.0):
     """One forward pass of Speculative Streaming over the batch: verify the tree drafted from
     draft_logits, draft the next. Everything stays on the device: no host sync.
 
     root: (B,) the next token of each row, decided but not yet cached; draft_logits: (B, D, V)
     the streams' logits at each row's last accepted position; max_depth (B,): the deepest node
-    a row may accept (its positions stay < block_size). Returns (emitted, root, draft_logits,
-    pass): emitted (B, D+2) = [a, the target's tokens at the path's nodes (padded)] of each row,
-    where a (1 to D+1) is the number of nodes it accepted: the pass emits a tokens, the path's
-    a - 1 drafts and the next root; the next roots (B,); the next draft logits (B, D, V); and
-    what the pass drafted, verified and accepted (a dict: trace.py).
+    a row may accept (its positions stay < block_size; None: no node of this pass reaches
+    block_size). Returns (emitted, root, draft_logits, pass): emitted (B, D+2) = [a, the
+    target's tokens at the path's nodes (padded)] of each row, where a (1 to D+1) is the
+    number of nodes it accepted: the pass emits a tokens, the path's a - 1 drafts and the next
+    root; the next roots (B,); the next draft logits (B, D, V); and what the pass drafted,
+    verified and accepted (a dict: trace.py).
     """
     T = model.config.block_size
     # 1. tree draft: candidates ranked per depth, placed into the tree's shape (per row for a budget tree)
     ranked, draft_probs = sampler.draft(draft_logits, tree.width)
     shape = tree.shape(draft_logits, draft_probs, max_depth)
-    tokens = torch.cat([root[:, None], ranked.flatten(1).gather(1, shape.gather)], dim=1)
+    tokens = torch.cat([root.unsqueeze(1), ranked.flatten(1).gather(1, shape.gather)], dim=1)
     drafted = dict(tokens=tokens, shape=shape)
     # 2. one forward pass: the main stream verifies every node, the streams of every node draft
     if prune_threshold:  # ... with the unlikely nodes dropped half-way (paper §3.2.3)
         tokens, shape, main_logits, all_drafts = pruned_pass(model, tokens, shape, tree, cache, prune_threshold)
     else:
-        positions = (cache.length[:, None] + shape.depth).clamp(max=T - 1)  # deeper nodes are never accepted
+        positions = cache.length.unsqueeze(1) + shape.depth
+        if max_depth is not None:  # nodes past block_size take its last position: they are never accepted
+            positions = positions.clamp(max=T - 1)
         main_logits, all_drafts = model.forward_nodes(tokens, positions, cache.mask(shape.window), cache=cache,
                                                       draft_depth=tree.draft_depth)
     # 3. verify: the token the target emits at every node; a node is accepted when every node on
     # its path carries the token its parent emitted (children hold distinct tokens: one per depth)
     ys = sampler.verify(main_logits, draft_probs, ranked, shape)
-    miss = (tokens != ys.gather(1, shape.parent)) | (shape.depth > max_depth[:, None])
-    accepted = (shape.depth + 1).masked_fill_((shape.anc & miss[:, None, :]).any(-1), 0)
+    miss = tokens != ys.gather(1, shape.parent)
+    if max_depth is not None:
+        miss |= shape.depth > max_depth.unsqueeze(1)
+    accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
     # the deepest accepted node ends the path (one per depth at most), as an index into the batch's
     # nodes (B * n): index_select and take copy only the rows wanted (advanced indexing is slower)
     last = accepted.argmax(1) + shape.first_node
-    path, accepted, root = shape.path.flatten(0, 1).index_select(0, last), accepted.take(last), ys.take(last)
-    # 4. accept: keep each row's path in its cache; the streams of its last node draft the next step
+    accepted, root = accepted.take(last), ys.take(last)
+    # 4. accept: keep each row's path in its cache; the streams of its last node draft the next step.
+    # The target's tokens at the path's nodes are its accepted drafts, then the next root: in a
+    # chain the path of a nodes is nodes 0..a-1, already in place in the cache and in ys
     if tree.is_chain:
         cache.advance(accepted)
+        on_path = ys
     else:
+        path = shape.path.flatten(0, 1).index_select(0, last)
         cache.accept(path, accepted)
-    # the target's tokens at the path's nodes: its accepted drafts, then the next root
-    emitted = torch.cat([accepted[:, None], ys.gather(1, path)], dim=1)
-    step = dict(drafted=drafted, tokens=tokens, shape=shape, ys=ys, path=path, draft_probs=draft_probs)
+        on_path = ys.gather(1, path)
+    emitted = torch.cat([accepted.unsqueeze(1), on_path], dim=1)
+    step = dict(drafted=drafted, tokens=tokens, shape=shape, ys=ys, last=last, draft_probs=draft_probs)
     return emitted, root, all_drafts.flatten(0, 1).index_select(0, last), step
 
 
@@ -398,7 +418,8 @@ def _on_pass(on_pass, L, draft_logits, step, a, root, draft_depth):
     on_pass(dict(cache_length=L, draft_logits=draft_logits[0], draft_probs=None if step["draft_probs"] is None
                  else step["draft_probs"][0], drafted_tokens=step["drafted"]["tokens"][0],
                  drafted_shape=step["drafted"]["shape"].host(), tokens=step["tokens"][0].tolist(),
-                 shape=step["shape"].host(), ys=step["ys"][0].tolist(), path=step["path"][0, :a].tolist(),
+                 shape=step["shape"].host(), ys=step["ys"][0].tolist(),
+                 path=step["shape"].path[0, int(step["last"][0])][:a].tolist(),
                  next_root=int(root[0]), draft_depth=draft_depth))
 
 
@@ -427,7 +448,6 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         raise ValueError("parallel tree pruning decodes one prompt at a time: give one prompt, or prune_threshold=0")
     if on_pass and len(batch) > 1:
         raise ValueError("on_pass records the passes of one prompt: give one prompt")
-    T = cfg.block_size
     sampler = Sampler(temperature, top_k, top_p, seed, dev)
     rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len, sampler, batch_size)
     go = rows.going
@@ -438,8 +458,8 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
         rows.cache.read_to(rows.lengths, pass_rows)  # eager: attention over the slots in use only
         L, draft_logits = rows.lengths[0], rows.drafts
-        emitted, rows.roots, rows.drafts, step = one_step(
-            model, rows.cache, rows.roots, draft_logits, tree, sampler, T - 1 - rows.cache.length, prune_threshold)
+        emitted, rows.roots, rows.drafts, step = one_step(model, rows.cache, rows.roots, draft_logits, tree, sampler,
+                                                          depth_limit(model, rows.cache, rows.lengths, D), prune_threshold)
         emitted = emitted.tolist()  # the one host sync per step
         rows.stats.passes += 1
         rows.stats.nodes.append(step["shape"].n_nodes)

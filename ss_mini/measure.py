@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from .generate import _prefill, _step, ar_step, ar_window, generate_ar, generate_speculative, speculative_step
+from .generate import _prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative, speculative_step
 from .kernels import HEAD_ROWS
 from .medusa import medusa_logits
 from .sampling import Sampler
@@ -237,7 +237,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     caches = {n: _prefill(model, rows, t.draft_depth, t.max_len) for n, t in trees.items()}
     caches["ar"] = _prefill(model, rows, 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
-    max_depth = T - 1 - caches["ar"][0].length
+    max_depth = depth_limit(model, caches["ar"][0], [L], cfg.n_drafts)  # as decoding has it at this length
 
     plain, spec = _step(model, ar_step), _step(model, speculative_step)  # compiled for a `compiled` model
 

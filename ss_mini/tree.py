@@ -39,14 +39,15 @@ class TreeShape:
     """The shape of one step's tree in every row of a batch of B, as tensors on the device.
     n nodes, D = the tree's depth:
 
-        depth   (B, n)     0 for the root, j for a candidate from stream j
-        parent  (B, n)     the parent's index (the root points to itself)
-        gather  (B, n-1)   where each node after the root takes its token from the ranked
-                           candidates: (depth - 1) * width + rank
-        anc     (B, n, n)  v is u's ancestor or u itself, the root left out (verify)
-        path    (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
-        tries   (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
-        window  (B, 1, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
+        depth       (B, n)     0 for the root, j for a candidate from stream j
+        path_length (B, n)     depth + 1: the nodes on the path root..u
+        parent      (B, n)     the parent's index (the root points to itself)
+        gather      (B, n-1)   where each node after the root takes its token from the ranked
+                               candidates: (depth - 1) * width + rank
+        anc         (B, n, n)  v is u's ancestor or u itself, the root left out (verify)
+        path        (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
+        tries       (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
+        window      (B, 1, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
     """
 
     def __init__(self, template, sel, n_streams, max_len, width):
@@ -56,6 +57,7 @@ class TreeShape:
         self.sel = sel  # which template nodes: (B, n), ascending, so a parent comes before its children
         self.first_node = torch.arange(B, device=sel.device) * n  # each row's first node among the batch's B * n
         self.depth, self.rank = t.depth[sel], t.rank[sel]
+        self.path_length = self.depth + 1  # the tokens a row emits when u ends its accepted path
         self.gather = t.gather[sel][:, 1:]
         inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template node -> its index here
         inv.scatter_(1, sel, torch.arange(n, device=sel.device).expand(B, n))
