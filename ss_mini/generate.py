@@ -171,17 +171,20 @@ def _free_memory(device):
 
 
 @torch.no_grad()
-def _prefill(model, ctxs, draft_depth, cache_slots):
+def _prefill(model, ctxs, draft_depth, cache_slots=None):
     """One pass over each row's context, right-padded to the longest (a row's padding comes
     after its tokens, where nothing real looks): a new cache with these rows, the main logits at
-    each row's last token (B, V) and, unless draft_depth = 0, its draft logits (B, g, V)."""
+    each row's last token (B, V) and, unless draft_depth = 0, its draft logits (B, g, V).
+    cache_slots: the new cache's size (None: the contexts' slots only, for rows that
+    `KVCache.put_rows` copies into a batch's cache: the contexts and the last token's streams)."""
     cfg, w = model.config, model.lm_head.weight
     B, n = len(ctxs), max(map(len, ctxs))
     idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in ctxs], device=w.device)
     last = torch.tensor([len(c) - 1 for c in ctxs], device=w.device)[:, None]  # (B, 1)
+    g = model.streams_in_pass(draft_depth)
+    cache_slots = cache_slots or n + g
     cache = KVCache(cfg, cache_slots, B, device=w.device, dtype=w.dtype)
     causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
-    g = model.streams_in_pass(draft_depth)
     window = attention_window(stream_rows_mask(causal, g, stream_idx=last), cache_slots, w.dtype)
     cache.read_to([0] * B, window.shape[2])  # attention over the pass's own slots only
     main_logits, draft_logits = model.forward_nodes(idx, torch.arange(n, device=w.device), cache.mask(window),
@@ -203,7 +206,7 @@ class Batch:
 
     def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, draft_depth, cache_slots, sampler, max_rows=None):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
-        self.draft_depth, self.slots, self.sampler = draft_depth, cache_slots, sampler
+        self.draft_depth, self.sampler = draft_depth, sampler
         self.stats, self.t0 = Stats(passes=0, row_seconds=[0.0] * len(prompts)), time.perf_counter()
         self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens: what a rebuilt window holds
         self.out = [[] for _ in prompts]
@@ -268,7 +271,7 @@ class Batch:
             for i in full:
                 self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
                 self.lengths[i] = T // 2
-            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.draft_depth, self.slots))
+            self._fill(full, _prefill(self.model, [self.ctx[self.rows[i]] for i in full], self.draft_depth))
         return True
 
     def leave(self, keep):
@@ -286,7 +289,7 @@ class Batch:
         for i in free:
             b = self.rows[i] = self.queue.pop(0)
             self.lengths[i], self.started[b] = len(self.ctx[b]), time.perf_counter()
-        cache, logits, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in free], self.draft_depth, self.slots)
+        cache, logits, drafts = _prefill(self.model, [self.ctx[self.rows[i]] for i in free], self.draft_depth)
         self._fill(free, (cache, logits, drafts))
         roots = self.sampler.pick(logits)
         self.roots[torch.tensor(free, device=roots.device)] = roots

@@ -119,8 +119,9 @@ class KVCache:
         self._views()
 
     def put_rows(self, rows, other):
-        """Rows of this cache replaced by the rows of another (a rebuilt window)."""
+        """Rows of this cache replaced by the rows of another, of as many slots or fewer (a rebuilt
+        window, a prompt joining): the slots past the other's keep stale values, past the rows' lengths."""
         for kv, new in zip(self.kv, other.kv):
-            kv[rows] = new  # in place: the layers' views stay valid
+            kv[rows, :new.shape[1]] = new  # in place: the layers' views stay valid
         self.length[rows] = other.length
         self._where = self._same_length = None
