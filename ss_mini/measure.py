@@ -24,6 +24,7 @@ Metrics (defined here only; bench.py reports them):
 Anything compared is run interleaved in one process, so that the drift of the machine
 hits all of it alike.
 """
+import functools
 import os
 import platform
 import statistics
@@ -198,9 +199,11 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
+@functools.cache
 def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
     """This machine's memory bandwidth as a large tensor copy sees it (bytes read + written per
-    second, best of `repeats`): the roof that a memory-bound decoding step can approach."""
+    second, best of `repeats`): the roof that a memory-bound decoding step can approach. Measured
+    once per process, so that every step of a report is held against the same roof."""
     src = torch.ones(mb * 2**20 * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
