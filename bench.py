@@ -69,6 +69,7 @@ config = dict(
     # (a size B decodes 4 B prompts per run: the sweep stays within minutes; raise it where more rows gain)
     calibration_tokens=256,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
     tie_margin=0.02,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
+    # (and, in a batch, of the busiest of those: tree_choice.tree_search)
     repeats=3,  # measurement runs after one tree search (each batch size of --batch_sweep): the median speedup and its range
     suite=False,  # every row of the README's results table and a worked example, as Markdown (or --json)
     suite_dirs="out,out-shakespeare",  # CODE_DIR,PROSE_DIR: the two checkpoints --suite measures

@@ -121,11 +121,14 @@ def over_runs(summaries):
             "runs": len(summaries), "median_run": median, "match_rate": min(r["match_rate"] for r in summaries)}
 
 
-def prompt_speedups(ar, ss):
+def prompt_speedups(ar, ss, busy=False):
     """The speedup on each prompt (or queue) of one run over its whole decode, drain included:
     the tree search's measure. Near the batch size where speculation stops paying, a queue's
-    slowest rows decide whether a tree still pays, so the search errs toward plain decoding."""
-    return [s.tokens_per_s / a.tokens_per_s for (_, a), (_, s) in zip(ar, ss)]
+    slowest rows decide whether a tree still pays, so the search errs toward plain decoding.
+    busy=True: while all its rows decode instead (as tokens/s counts them; a prompt alone: the
+    same), the search's tie-break."""
+    rate = (lambda st: st.full_tokens / st.full_seconds) if busy else (lambda st: st.tokens_per_s)
+    return [rate(s) / rate(a) for (_, a), (_, s) in zip(ar, ss)]
 
 
 def threads():

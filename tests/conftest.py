@@ -35,11 +35,12 @@ def tiny_ckpt(tmp_path_factory):
     return out
 
 
-def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, **cfg):
+def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, drain=None, **cfg):
     """The tree search (ss_mini/tree_choice.py) with bench's defaults, on fake decoders over the
     prompts: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
     pass takes 1 ms; slow maps (tree, prompt) to a factor on that decode's time (a slow spell
-    of the machine). Returns the chosen tree,
+    of the machine); drain maps a tree to a factor on its whole decode's time over the time
+    while all rows decode (a batch's last rows finishing one by one). Returns the chosen tree,
     the search's rows and every call as (decoder, prompt, max_new_tokens)."""
     import bench
     from types import SimpleNamespace
@@ -58,7 +59,8 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
         passes = 24 // tau
         seconds = passes * ms * 1e-3 * (slow or {}).get((repr(tree), prompt), 1)
         return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=seconds, full_tokens=24, full_passes=passes, full_seconds=seconds)
+                               seconds=seconds * (drain or {}).get(repr(tree), 1), full_tokens=24, full_passes=passes,
+                               full_seconds=seconds)
 
     from ss_mini import measure
     monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline

@@ -40,6 +40,16 @@ def test_tree_search_takes_the_smallest_tree_within_the_tie_margin(monkeypatch):
     assert search(monkeypatch, timings, tie_margin=0.05)[0] == "1,1,1"
 
 
+def test_among_near_ties_over_whole_decodes_the_busiest_tree_wins(monkeypatch):
+    # busy (all rows decoding): 1,1 1.6x, 1,1,1 2.0x; a drain makes both 1.6x over the whole decode
+    timings = {"1,1": (2, 1.25), "1,1,1": (4, 2.0)}
+    assert search(monkeypatch, timings, drain={"1,1,1": 1.25})[0] == "1,1,1"
+    # a tree whose drain costs it more than the margin is out, however busy: the search errs toward plain decoding
+    assert search(monkeypatch, timings, drain={"1,1,1": 1.3})[0] == "1,1"
+    # a wide margin keeps both on both counts: the fewest nodes
+    assert search(monkeypatch, timings, drain={"1,1,1": 1.25}, tie_margin=0.25)[0] == "1,1"
+
+
 def test_a_slow_spell_on_one_prompt_does_not_decide_the_search(monkeypatch):
     # 1,1,1 is 2.0x on every prompt but p1, where the machine slowed it 4x; 1,1 is 1.6x everywhere:
     # over the sum of the three decodes 1,1,1 would lose (1.2x), over the median prompt it wins
