@@ -461,8 +461,9 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
         rows.cache.read_to(rows.lengths, pass_rows)  # eager: attention over the slots in use only
         L, draft_logits = rows.lengths[0], rows.drafts
-        emitted, rows.roots, rows.drafts, step = one_step(model, rows.cache, rows.roots, draft_logits, tree, sampler,
-                                                          depth_limit(model, rows.cache, rows.lengths, D), prune_threshold)
+        max_depth = depth_limit(model, rows.cache, rows.lengths, D)
+        emitted, rows.roots, rows.drafts, step = one_step(
+            model, rows.cache, rows.roots, draft_logits, tree, sampler, max_depth, prune_threshold)
         emitted = emitted.tolist()  # the one host sync per step
         rows.stats.passes += 1
         rows.stats.nodes.append(step["shape"].n_nodes)

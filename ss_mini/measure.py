@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from .generate import _prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative, speculative_step
+from .generate import (_prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative,
+                       speculative_step)
 from .kernels import HEAD_ROWS
 from .medusa import medusa_logits
 from .sampling import Sampler

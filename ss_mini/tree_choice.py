@@ -96,7 +96,11 @@ def tree_search(model, calibration, cfg, kw, log):
     rows = [(spec, len(t) if t else 0, dict(summarize(ar, s), speedup=statistics.median(prompt_speedups(ar, s)),
                                             busy_speedup=statistics.median(prompt_speedups(ar, s, busy=True))))
             for spec, t, s in zip(candidates, trees, ss)]
-    within = lambda rows, key: [row for row in rows if row[2][key] >= (1 - cfg["tie_margin"]) * max(r[key] for _, _, r in rows)]
+
+    def within(rows, key):  # the rows within tie_margin of the best of them by this measure
+        top = max(r[key] for _, _, r in rows)
+        return [row for row in rows if row[2][key] >= (1 - cfg["tie_margin"]) * top]
+
     fastest = max(rows, key=lambda row: row[2]["speedup"])
     # among near-ties over whole decodes, a tree that keeps a batch's rows busier wins (at B = 1 the same)
     best = min(within(within(rows, "speedup"), "busy_speedup"), key=lambda row: (row[1], -row[2]["mean_accepted"]))
