@@ -318,6 +318,8 @@ def bench(cfg, device, dtype, progress):
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
     progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
     tree = choose_tree(model, calibration, cfg, kw, log)
+    if (cfg["tree"] == "auto" or cfg["sweep"]) and calibration[0] not in prompts:
+        log("(the search ran on its own prompts, kept apart from those measured below: their speedups differ)")
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
     decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
