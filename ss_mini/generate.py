@@ -422,7 +422,7 @@ def _on_pass(on_pass, L, draft_logits, step, a, root, draft_depth):
                  else step["draft_probs"][0], drafted_tokens=step["drafted"]["tokens"][0],
                  drafted_shape=step["drafted"]["shape"].host(), tokens=step["tokens"][0].tolist(),
                  shape=step["shape"].host(), ys=step["ys"][0].tolist(),
-                 path=step["shape"].path[0, int(step["last"][0])][:a].tolist(),
+                 path=step["shape"].path.flatten(0, 1)[int(step["last"][0])][:a].tolist(),  # last: a flat node index
                  next_root=int(root[0]), draft_depth=draft_depth))
 
 
