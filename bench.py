@@ -21,7 +21,7 @@
 The report's first line is the answer: the median speedup over --repeats runs with its
 range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
 tau, CR, speedup, efficiency, repeat rate, median and range) are defined in
-ss_mini/measure.py.
+ss_mini/lab/measure.py.
 """
 import cProfile
 import dataclasses
@@ -35,19 +35,19 @@ import time
 import numpy as np
 import torch
 
-from ss_mini import plot
-from ss_mini.batch_sweep import batch_sweep
-from ss_mini.checkpoint import load_model, training_data
-from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
-from ss_mini.data import describe_fingerprint, load_split
+from ss_mini.lab import plot
+from ss_mini.lab.batch_sweep import batch_sweep
+from ss_mini.io.checkpoint import load_model, training_data
+from ss_mini.io.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
+from ss_mini.io.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
+from ss_mini.lab.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
                              speculative, step_bytes, summarize, synchronize, threads, unreliable)
 from ss_mini.model import GPT, GPTConfig
-from ss_mini.report import suite_markdown
-from ss_mini.suite import suite
+from ss_mini.lab.report import suite_markdown
+from ss_mini.lab.suite import suite
 from ss_mini.tree import make_tree, tree_spec
-from ss_mini.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts,
+from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts,
                                  validation_prompts)
 
 config = dict(
@@ -100,7 +100,7 @@ NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "comp
 
 def train_bench(ckpt, device, steps, log):
     """ms/iter of the checkpoint's training config with its drafter and without (plain GPT)."""
-    from ss_mini.checkpoint import model_config
+    from ss_mini.io.checkpoint import model_config
     from ss_mini.model import GPT
     tcfg, res = ckpt["config"], {}
     for name in ("drafter", "plain"):
@@ -243,7 +243,7 @@ def step_costs(cfg, device, dtype, log):
     ratios = list(costs.values())
     if min(ratios) < 0.97 or any(b < 0.97 * a for a, b in zip(ratios, ratios[1:])):  # beyond 3% of timing noise
         print("warning: a step over more nodes costs less than one over fewer (or than the autoregressive step): the "
-              "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/kernels.py)",
+              "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/extras/kernels.py)",
               file=sys.stderr, flush=True)
     # the memory-bandwidth view: every step reads all weights and the KV cache once, whatever its node count
     nbytes, roof = step_bytes(model, len(context), B), copy_bandwidth(device, dtype)

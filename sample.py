@@ -16,7 +16,7 @@ stdout holds only the samples (prompt + continuation, separated by a line of das
 per-sample statistics and diagnostics go to stderr. With --speculative on a terminal,
 each pass's tokens are shown in alternating colours. --trace=FILE.html (or .json) records
 every pass of the first sample: what the streams drafted, what the main stream accepted and
-the attention mask it used (ss_mini/trace.py); the page opens from disk in any browser.
+the attention mask it used (ss_mini/lab/trace.py); the page opens from disk in any browser.
 """
 import os
 import sys
@@ -25,10 +25,10 @@ import warnings
 
 import torch
 
-from ss_mini.checkpoint import load_model
-from ss_mini.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
+from ss_mini.io.checkpoint import load_model
+from ss_mini.io.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.trace import Trace, check_path
+from ss_mini.lab.trace import Trace, check_path
 from ss_mini.tree import make_tree
 
 config = dict(

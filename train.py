@@ -17,13 +17,13 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from ss_mini.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
-from ss_mini.pretrained import find_gpt2_files
-from ss_mini.cli import UsageError, at_least, check, in_range, one_of, parse_args, pick_device, pick_dtype
-from ss_mini.data import Tokenizer, fingerprint, load_split, prepare
-from ss_mini.medusa import init_medusa_heads
+from ss_mini.io.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
+from ss_mini.io.pretrained import find_gpt2_files
+from ss_mini.io.cli import UsageError, at_least, check, in_range, one_of, parse_args, pick_device, pick_dtype
+from ss_mini.io.data import Tokenizer, fingerprint, load_split, prepare
+from ss_mini.extras.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
-from ss_mini.nanogpt import import_nanogpt
+from ss_mini.io.nanogpt import import_nanogpt
 
 # ----------------------------------------------------------------------------- config
 config = dict(

@@ -42,10 +42,10 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.utils._pytree import tree_map
 
-from .kernels import decoding_kernels
+from .extras.kernels import decoding_kernels
 from .kvcache import KVCache
 from .masks import attention_window, stream_rows_mask
-from .pruning import pruned_pass
+from .extras.pruning import pruned_pass
 from .sampling import Sampler
 
 
@@ -433,7 +433,7 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
     prompts, on_tokens, batch_size and the result: as `generate_ar`. prune_threshold > 0: parallel tree
-    pruning (ss_mini/pruning.py) inside each pass (greedy, one prompt). on_pass: called after
+    pruning (ss_mini/extras/pruning.py) inside each pass (greedy, one prompt). on_pass: called after
     each decode pass of a single prompt with what it did (trace.py)."""
     cfg = model.config
     if prune_threshold and not cfg.prune_adapter_rank:

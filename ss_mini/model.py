@@ -31,12 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .adapters import stream_adapter
-from .distill import stream_teacher
-from .kernels import HEAD_ROWS, Linear
+from .extras.adapters import stream_adapter
+from .extras.distill import stream_teacher
+from .extras.kernels import HEAD_ROWS, Linear
 from .masks import attention_mask
-from .medusa import MedusaHead, init_medusa_heads, medusa_logits
-from .pruning import PruningAdapter
+from .extras.medusa import MedusaHead, init_medusa_heads, medusa_logits
+from .extras.pruning import PruningAdapter
 
 
 @dataclass
@@ -59,7 +59,7 @@ class GPTConfig:
     stream_adapter_rank: int = 0  # > 0: stream-only low-rank adapters in the MSA layers (lossless mode, adapters.py)
     n_medusa_heads: int = 0  # K: the Medusa baseline drafter instead of streams (n_streams must be 0)
     prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter at layer N - Ns (paper: 8)
-    gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": the exact erf GELU of nanoGPT (ss_mini/nanogpt.py)
+    gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": the exact erf GELU of nanoGPT (ss_mini/io/nanogpt.py)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -206,8 +206,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, spec, **stream_args):
-        """GPT-2 weights from local Hugging Face files (see ss_mini/pretrained.py)."""
-        from .pretrained import load_gpt2
+        """GPT-2 weights from local Hugging Face files (see ss_mini/io/pretrained.py)."""
+        from .io.pretrained import load_gpt2
         return load_gpt2(spec, **stream_args)
 
     # ------------------------------------------------------------------ the forward pass

@@ -36,7 +36,7 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, drain=None, **cfg):
-    """The tree search (ss_mini/tree_choice.py) with bench's defaults, on fake decoders over the
+    """The tree search (ss_mini/lab/tree_choice.py) with bench's defaults, on fake decoders over the
     prompts: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
     pass takes 1 ms; slow maps (tree, prompt) to a factor on that decode's time (a slow spell
     of the machine); drain maps a tree to a factor on its whole decode's time over the time

@@ -1,5 +1,5 @@
-"""bench.py: the tree search's choice (ss_mini/tree_choice.py), repeated runs, --suite and its
-worked example (ss_mini/suite.py)."""
+"""bench.py: the tree search's choice (ss_mini/lab/tree_choice.py), repeated runs, --suite and its
+worked example (ss_mini/lab/suite.py)."""
 import json
 import os
 import subprocess
@@ -10,9 +10,9 @@ import torch
 
 import bench
 from conftest import fake_tree_search
-from ss_mini import measure
-from ss_mini.measure import over_runs
-from ss_mini.report import shell_quote
+from ss_mini.lab import measure
+from ss_mini.lab.measure import over_runs
+from ss_mini.lab.report import shell_quote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -206,7 +206,7 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
 def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
     """The sweep's candidates at the next batch size: all of them while every run at this size
     paid more than the margin; after a run within it (or the tree `none`, 1.0), only `none`."""
-    from ss_mini.batch_sweep import next_candidates
+    from ss_mini.lab.batch_sweep import next_candidates
     cands = "none;1,1;1;1,1,1;2,1,1;n8".split(";")
     assert next_candidates(cands, 1.30, 0.02) == cands
     assert next_candidates(cands, 1.01, 0.02) == ["none"]
@@ -217,7 +217,7 @@ def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
 def test_calibration_batches_take_turns_as_often_as_single_prompts():
     """The tree search's calibration at B rows: one queue per calibration prompt, each one wave
     of B rows, so the candidates take turns as often as at B = 1; B = 1 is the prompts."""
-    from ss_mini.tree_choice import calibration_batches, n_prompts
+    from ss_mini.lab.tree_choice import calibration_batches, n_prompts
     cal = [list(range(10 * i, 10 * i + 20)) for i in range(4)]
     assert calibration_batches(cal, 1) == cal
     queues = calibration_batches(cal, 8)
@@ -227,7 +227,7 @@ def test_calibration_batches_take_turns_as_often_as_single_prompts():
 def test_batches_are_queues_of_two_waves_of_mixed_lengths():
     """bench's batches: two queues (the decoders take turns), each at least two waves of B rows,
     every prompt at least once, cut to different lengths; B = 1 is the prompts themselves."""
-    from ss_mini.tree_choice import batched, n_prompts
+    from ss_mini.lab.tree_choice import batched, n_prompts
     prompts = [list(range(10 * i, 10 * i + 20)) for i in range(3)]
     assert batched(prompts, 1) == prompts
     queues = batched(prompts, 4)

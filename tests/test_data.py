@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from ss_mini.data import Tokenizer, load_split, prepare
+from ss_mini.io.data import Tokenizer, load_split, prepare
 
 
 def test_char_tokenizer_round_trip_and_unknown_characters():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_model
 
-from ss_mini.checkpoint import load_model
+from ss_mini.io.checkpoint import load_model
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
@@ -402,7 +402,7 @@ def test_tree_pruning(spec):
 def test_pruning_keeps_the_cache_consistent():
     """After a pruned pass the cache still equals a fresh prefill of the accepted text."""
     from ss_mini.generate import _prefill
-    from ss_mini.pruning import pruned_pass
+    from ss_mini.extras.pruning import pruned_pass
     from ss_mini.tree import TreeShape
     model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():
@@ -443,8 +443,8 @@ def test_products_are_those_of_a_tree_pass(drafter):
     main rows and then on all stream rows; Medusa's heads on the main rows) and of an
     autoregressive step."""
     from ss_mini.generate import _prefill, ar_step, ar_window, speculative_step
-    from ss_mini.kernels import HEAD_ROWS
-    from ss_mini.measure import products
+    from ss_mini.extras.kernels import HEAD_ROWS
+    from ss_mini.lab.measure import products
     kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
     model = random_model(**kw).float()
     seen = []
@@ -476,7 +476,7 @@ def test_products_are_those_of_a_tree_pass(drafter):
 
 def test_repeat_rate():
     """The share of n-grams that occurred earlier in the same output (per output, not across)."""
-    from ss_mini.measure import repeat_rate
+    from ss_mini.lab.measure import repeat_rate
     assert repeat_rate([[1, 2, 3, 1, 2, 3, 1, 2, 3]], n=3) == 4 / 7  # 123 231 312 new, then 4 repeats
     assert repeat_rate([list(range(20)), list(range(20))], n=3) == 0.0  # the same text in two outputs
     assert repeat_rate([[7] * 5], n=2) == 3 / 4

@@ -9,7 +9,7 @@ from conftest import random_model
 
 from ss_mini.kvcache import KVCache
 from ss_mini.masks import attention_mask, attention_window, stream_mask, stream_rows_mask, tree_mask
-from ss_mini.kernels import HEAD_ROWS, Linear
+from ss_mini.extras.kernels import HEAD_ROWS, Linear
 from ss_mini.model import GPT, GPTConfig
 
 

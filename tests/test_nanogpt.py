@@ -15,12 +15,12 @@ import torch.nn.functional as F
 import bench
 import sample
 import train
-from ss_mini.checkpoint import load_checkpoint, load_model, model_config
-from ss_mini.data import Tokenizer, load_split
+from ss_mini.io.checkpoint import load_checkpoint, load_model, model_config
+from ss_mini.io.data import Tokenizer, load_split
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.masks import tree_mask
 from ss_mini.model import GPT
-from ss_mini.nanogpt import import_nanogpt, read_meta
+from ss_mini.io.nanogpt import import_nanogpt, read_meta
 from ss_mini.tree import make_tree
 
 TEXT = "".join(f"ROMEO:\nBut soft, what light through yonder window breaks {i}?\n"

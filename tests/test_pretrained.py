@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from ss_mini.checkpoint import load_model
+from ss_mini.io.checkpoint import load_model
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.model import GPT
 from ss_mini.tree import make_tree

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import random_model
 
-from ss_mini.cli import UsageError
+from ss_mini.io.cli import UsageError
 from ss_mini.generate import generate_speculative
-from ss_mini.trace import Trace, dense_mask, to_html
+from ss_mini.lab.trace import Trace, dense_mask, to_html
 from ss_mini.tree import make_tree
 
 decode = lambda ids: "".join("abcdefghijk"[i] for i in ids)
@@ -189,11 +189,11 @@ def test_trace_save_writes_whole_files_or_nothing(tmp_path, monkeypatch):
         trace.save(str(path))
         assert path.read_text() != "old"
     assert json.loads((tmp_path / "t.json").read_text()) == data
-    monkeypatch.setattr("ss_mini.trace.to_html", lambda d: 1 / 0)  # fails before anything is written
+    monkeypatch.setattr("ss_mini.lab.trace.to_html", lambda d: 1 / 0)  # fails before anything is written
     with pytest.raises(ZeroDivisionError):
         trace.save(str(tmp_path / "t.html"))
     writes = []
-    monkeypatch.setattr("ss_mini.trace.os.replace", lambda a, b: writes.append((a, b)) or 1 / 0)
+    monkeypatch.setattr("ss_mini.lab.trace.os.replace", lambda a, b: writes.append((a, b)) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # fails after the temp file, before the replace
         trace.save(str(tmp_path / "t.json"))
     assert os.path.dirname(writes[0][0]) == str(tmp_path) and writes[0][1] == str(tmp_path / "t.json")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ss_mini.checkpoint import load_checkpoint, load_model
+from ss_mini.io.checkpoint import load_checkpoint, load_model
 from ss_mini.masks import tree_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +92,7 @@ def test_bad_command_lines(tmp_path):
 
 
 def test_a_mistyped_flag_is_offered_the_closest_one():
-    from ss_mini.cli import UsageError, parse_args
+    from ss_mini.io.cli import UsageError, parse_args
     config = dict(max_iters=10, max_new_tokens=5, learning_rate=0.1)
     for typo, hint in (("--max_iter=3", "did you mean --max_iters?"), ("--learningrate", "did you mean --learning_rate?"),
                        ("--bogus=1", "see --help")):
@@ -192,7 +192,7 @@ def test_the_documented_torchrun_command_splits_its_steps():
     """train.py's own torchrun line passes the check that each process gets whole accumulation
     steps, and a command that fails it is told the flag that fixes it."""
     import train
-    from ss_mini.cli import UsageError
+    from ss_mini.io.cli import UsageError
     line = next(line for line in train.__doc__.splitlines() if "torchrun" in line)
     world = int(re.search(r"--nproc_per_node=(\d+)", line)[1])
     steps = int(re.search(r"--gradient_accumulation_steps=(\d+)", line)[1])
@@ -226,7 +226,7 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     a file with no more than that is used for both (and bench says so)."""
     import json
     import bench
-    from ss_mini.tree_choice import pick_prompts
+    from ss_mini.lab.tree_choice import pick_prompts
 
     class Tok:
         encode = staticmethod(lambda text: [ord(c) for c in text])
@@ -303,7 +303,7 @@ BAD = [  # (script, flags, words the one-line error must contain)
 def test_bad_input_is_one_clear_line(script, flags, words, tiny_ckpt, tmp_path):
     """Every bad value is refused before any work, with the flag named; nothing is written."""
     import importlib
-    from ss_mini.cli import UsageError
+    from ss_mini.io.cli import UsageError
     main = importlib.import_module(script[:-3]).main
     out = [f"--out_dir={tiny_ckpt}"] if script != "train.py" else [f"--out_dir={tmp_path}/new",
                                                                     f"--data_dir={tmp_path}/data"]

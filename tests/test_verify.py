@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import random_model
 
-from ss_mini.distill import greedy_continuation
+from ss_mini.extras.distill import greedy_continuation
 from ss_mini.generate import generate_speculative
 from ss_mini.sampling import Sampler
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree

@@ -12,7 +12,7 @@ from dataclasses import asdict, fields
 import torch
 
 from .data import Tokenizer, prepare
-from .model import GPT, GPTConfig
+from ..model import GPT, GPTConfig
 from .nanogpt import looks_like_nanogpt
 
 

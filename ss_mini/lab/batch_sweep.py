@@ -4,11 +4,11 @@ with a tree search at each size, and the batch size where speculation stops payi
 import torch
 
 from . import plot
-from .checkpoint import load_model
-from .cli import UsageError
-from .generate import generate_ar
+from ..io.checkpoint import load_model
+from ..io.cli import UsageError
+from ..generate import generate_ar
 from .measure import machine, over_runs, run_interleaved, speculative, summarize, threads
-from .tree import tree_spec
+from ..tree import tree_spec
 from .tree_choice import batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts
 
 SWEEP = (1, 2, 4, 8, 16, 32)

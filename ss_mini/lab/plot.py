@@ -6,7 +6,7 @@ figure is drawn, and `check` says how to get it before any work starts.
 import os
 import tempfile
 
-from .cli import UsageError
+from ..io.cli import UsageError
 
 FORMATS = (".png", ".svg", ".pdf")
 

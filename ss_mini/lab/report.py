@@ -1,7 +1,7 @@
 """The Markdown that `python bench.py --suite` prints: the README's results table and its
 worked example, rendered from the suite's JSON document, so that the two never disagree.
 The metrics are defined in measure.py."""
-from .data import describe_fingerprint
+from ..io.data import describe_fingerprint
 
 SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789@%+=:,./-_")
 
@@ -52,7 +52,7 @@ def suite_markdown(doc):
     out += ["", "τ: tokens per speculative pass (accepted drafts + 1); CR: autoregressive passes / speculative passes; "
             "output repeats: the share of the autoregressive output's 12-grams that occurred earlier in it; tree: the "
             "one the tree search picked on calibration prompts kept apart from the reported ones; tokens/s, τ and CR "
-            "are the median run's (definitions: `ss_mini/measure.py`)."]
+            "are the median run's (definitions: `ss_mini/lab/measure.py`)."]
     if any(r["repeat_rate"] > 0.5 for r in rows):
         out.append("† More than half of the output repeats itself: most of this speedup is drafting repeated text.")
     greedy = [r["match_rate"] for r in rows if r["temperature"] == 0]

@@ -13,12 +13,12 @@ import statistics
 import numpy as np
 
 from . import plot
-from .checkpoint import training_data
-from .cli import UsageError
-from .data import load_split
-from .generate import generate_ar
+from ..io.checkpoint import training_data
+from ..io.cli import UsageError
+from ..io.data import load_split
+from ..generate import generate_ar
 from .measure import prompt_speedups, run_interleaved, run_pair, speculative, summarize, unreliable
-from .tree import make_tree
+from ..tree import make_tree
 
 
 def validation_prompts(ckpt, tok, n, length):

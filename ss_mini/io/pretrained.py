@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .model import GPT, GPTConfig
+from ..model import GPT, GPTConfig
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

@@ -14,8 +14,8 @@ streams), as Medusa-2 and EAGLE train their drafters:
 """
 import torch
 
-from .kvcache import KVCache
-from .masks import attention_mask
+from ..kvcache import KVCache
+from ..masks import attention_mask
 
 
 def stream_teacher(model, idx, main_logits, where):

@@ -29,7 +29,7 @@ from dataclasses import asdict
 
 import torch
 
-from .model import GPT, GPTConfig
+from ..model import GPT, GPTConfig
 
 ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")  # nanoGPT's model_args
 PREFIX = "_orig_mod."  # torch.compile's wrapper

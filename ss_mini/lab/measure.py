@@ -33,12 +33,12 @@ import time
 
 import torch
 
-from .generate import (_prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative,
+from ..generate import (_prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative,
                        speculative_step)
-from .kernels import HEAD_ROWS
-from .medusa import medusa_logits
-from .sampling import Sampler
-from .tree import BudgetTree
+from ..extras.kernels import HEAD_ROWS
+from ..extras.medusa import medusa_logits
+from ..sampling import Sampler
+from ..tree import BudgetTree
 
 
 def run_interleaved(prompts, decoders):

@@ -6,11 +6,11 @@ import time
 
 import torch
 
-from .checkpoint import load_model
-from .cli import UsageError
+from ..io.checkpoint import load_model
+from ..io.cli import UsageError
 from .measure import machine, over_runs, prompt_speedups, repeat_rate, run_pair, summarize, unreliable
 from .report import shell_quote
-from .tree import make_tree
+from ..tree import make_tree
 from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: prompts/ lives there
