@@ -26,7 +26,7 @@ def _race(weights, u):
     of k without replacement (Gumbel-top-k), and a token of weight 0 gets -inf, never drawn
     while another can be; no host sync (gpt-fast samples so). E comes as -log U because
     uniform_ and log_ are cheaper than exponential_ on a CPU (docs/step-cost.md)."""
-    return u.log() / weights
+    return u.clamp_min(torch.finfo(u.dtype).tiny).log() / weights  # U = 0 would give log 0
 
 
 class Sampler:
@@ -53,6 +53,8 @@ class Sampler:
     """
 
     def __init__(self, temperature, top_k, top_p, seed, device):
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature}: give 0 (greedy) or more")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.gen = None
         if temperature > 0:

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .masks import attention_window, stream_rows_mask
+from .masks import attention_window, pass_mask, tree_mask
 
 MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
 
@@ -71,32 +71,7 @@ class TreeShape:
         self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()
         self.max_children = min(width, t.max_children)
         self.cand_row = self.depth.clamp(max=max(n_streams, 1) - 1)  # each node's children come from this depth's q
-        self.window = attention_window(stream_rows_mask(anc, n_streams), max_len, t.dtype)
-
-    def host(self, row=0):
-        """Plain lists of one row's shape (parents, depths, ranks, children), for a trace or a test."""
-        return HostShape(self, row)
-
-
-class HostShape:
-    """One row of a TreeShape as lists, read on the host (trace.py, tests): parents, depths,
-    ranks, children; `mask(L)` is the same pass mask with the cached prefix as its first L
-    columns, as a bool tensor."""
-
-    def __init__(self, shape, row):
-        self.n_nodes = shape.n_nodes
-        self.parents = [-1] + shape.parent[row, 1:].tolist()
-        self.depths = shape.depth[row].tolist()
-        self.ranks = shape.rank[row].tolist()
-        self.children = [[] for _ in range(self.n_nodes)]
-        for u, p in enumerate(self.parents[1:], 1):
-            self.children[p].append(u)
-        self._window, self._S = shape.window[min(row, shape.window.shape[0] - 1), 0], shape.window.shape[-1] // 2
-
-    def mask(self, L):
-        local = self._window[:, self._S:]
-        R = local.shape[0]
-        return torch.cat([torch.ones(R, L, dtype=torch.bool), local[:, :R].cpu() == 0], dim=1)
+        self.window = attention_window(pass_mask(anc, n_streams), max_len, t.dtype)
 
 
 class Template:
@@ -112,9 +87,7 @@ class Template:
         D = max(depths)
         self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # children hold ranks 0..m-1
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # the nodes root..u
-        anc = torch.zeros(self.size, self.size, dtype=torch.bool)
-        for u, nodes in enumerate(on_path):
-            anc[u, nodes] = True
+        anc = tree_mask([-1] + parent[1:])  # masks.py: u's ancestors and u itself
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
         self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
@@ -128,7 +101,9 @@ class _Tree:
     """What both trees share: binding to a model (streams, block size, vocabulary), a device
     and a dtype, which builds the template."""
 
-    def bind(self, config, device, dtype):
+    def bind(self, config, device, dtype, batch_size=1):
+        """Ready for a model (its streams, block size, vocabulary), a device, a dtype and a
+        batch size: builds the template once, and a Cartesian tree's shape per batch size."""
         if len(self) > MAX_NODES:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
         # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_streams), and
@@ -142,7 +117,10 @@ class _Tree:
             self.max_len = config.block_size + len(self) * (1 + draft_depth)  # the cache: accepted + a pass's rows
             self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
             self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
-            self._fixed = {}  # a Cartesian tree's one shape, per batch size
+            self.fixed = {}  # a Cartesian tree's one shape, per batch size
+        if batch_size not in self.fixed and isinstance(self, CartesianTree):
+            sel = torch.arange(self.template.size, device=device).expand(batch_size, -1)
+            self.fixed[batch_size] = TreeShape(self.template, sel, draft_depth, self.max_len, width)
         return self
 
     def __len__(self):
@@ -163,11 +141,11 @@ class CartesianTree(_Tree):
             raise ValueError(f"tree {self} has {self.n_nodes} nodes; use at most {MAX_NODES} (tens are typical)")
         self.max_width, self.max_depth = max(self.ks), len(self.ks)
 
-    def bind(self, config, device, dtype):
+    def bind(self, config, device, dtype, batch_size=1):
         if self.max_width > config.vocab_size:
             raise ValueError(f"tree {self} asks for the top {self.max_width} tokens of a depth, but the vocabulary "
                              f"has {config.vocab_size}")
-        return super().bind(config, device, dtype)
+        return super().bind(config, device, dtype, batch_size)
 
     def paths(self, depth, width):
         paths = [()]  # breadth-first, each node with its rank at every depth of its path
@@ -176,16 +154,8 @@ class CartesianTree(_Tree):
         return paths
 
     def shape(self, draft_logits, draft_probs=None, max_depth=None):
-        """The fixed shape, the same for every row and every step (built once per batch size)."""
-        B = draft_logits.shape[0]
-        fixed = self._fixed.get(B)
-        if fixed is None:
-            t = self.template
-            sel = torch.arange(t.size, device=t.depth.device).expand(B, -1)
-            fixed = TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
-            if not torch.compiler.is_compiling():  # a graph folds it into constants: keeping it would change
-                self._fixed[B] = fixed              # what the graph's guards saw, and compile it again
-        return fixed
+        """The same shape for every row and every step (built by `bind`)."""
+        return self.fixed[draft_logits.shape[0]]
 
     def __repr__(self):
         return ",".join(map(str, self.ks))

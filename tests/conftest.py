@@ -7,7 +7,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, sample.py and bench.py are scripts at the top level
 
-from ss_mini.model import GPT, GPTConfig  # noqa: E402
+from ss_mini import build_model  # noqa: E402
+from ss_mini.model import GPTConfig  # noqa: E402
 
 
 def random_model(seed=0, dtype=torch.float64, std=None, **kw):
@@ -15,7 +16,7 @@ def random_model(seed=0, dtype=torch.float64, std=None, **kw):
     torch.manual_seed(seed)
     args = dict(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=11, n_streams=3, n_msa_layers=2)
     args.update(kw)
-    model = GPT(GPTConfig(**args))
+    model = build_model(GPTConfig(**args))
     if std:
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -1,0 +1,14 @@
+"""Around the method: Medusa heads (the paper's baseline), parallel tree pruning, distilled
+stream targets, compiled steps and packed CPU weights. `build_model` makes what a config
+describes."""
+from ..model import GPT
+from .kernels import pack_linears
+from .medusa import MedusaGPT
+from .pruning import PruningGPT
+
+
+def build_model(config):
+    """The model a config describes: GPT, or with Medusa heads or the pruning adapter, its big
+    Linear layers packed for a CPU's few-row products (kernels.py: the same values)."""
+    cls = MedusaGPT if config.n_medusa_heads else PruningGPT if config.prune_adapter_rank else GPT
+    return pack_linears(cls(config))

@@ -15,7 +15,7 @@ streams), as Medusa-2 and EAGLE train their drafters:
 import torch
 
 from ..kvcache import KVCache
-from ..masks import attention_mask
+from ..masks import tree_mask
 
 
 def stream_teacher(model, idx, main_logits, where):
@@ -45,10 +45,10 @@ def greedy_continuation(model, idx, where=None):
     dev, g = idx.device, model.config.n_drafts
     t = torch.arange(T, device=dev) if where is None else torch.tensor(list(where), device=dev)
     m = len(t)
-    masks, key = model._chain_mask_cache, ("greedy", T, where and (where.start, where.step), dev)
+    masks, key = model._masks, ("greedy", T, where and (where.start, where.step), str(dev))
     if key not in masks:  # built once, beside the training masks: the chain, then level j (parent t, or level j - 1)
         parents = list(range(-1, T - 1)) + t.tolist() + [T + i for i in range((g - 1) * m)]
-        masks[key] = attention_mask(parents, device=dev)
+        masks[key] = tree_mask(parents).to(dev)
     mask = masks[key]
     was_training = model.training
     model.eval()

@@ -8,9 +8,14 @@ a threshold are dropped with their subtrees, so the top Ns layers, where every n
 carries gamma stream rows, process fewer tokens. Pruning only removes drafts: the
 verified output is unchanged. The adapter is trained with the next-token loss.
 """
+import functools
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from ..model import GPT
+from ..step import speculative_step
 
 
 class PruningAdapter(nn.Module):
@@ -19,31 +24,68 @@ class PruningAdapter(nn.Module):
     def __init__(self, n_embd, rank):
         super().__init__()
         self.down = nn.Linear(n_embd, rank, bias=False)
-        self.up = nn.Linear(rank, n_embd, bias=False)  # zero-initialised by GPT
+        self.up = nn.Linear(rank, n_embd, bias=False)
+        nn.init.normal_(self.down.weight, mean=0.0, std=0.02)
+        nn.init.zeros_(self.up.weight)  # the adapter starts as the identity
 
     def early_logits(self, model, h):
         return model.lm_head(model.transformer.ln_f(h + self.up(self.down(h))))
 
 
-@torch.no_grad()
-def pruned_pass(model, tokens, shape, tree, cache, threshold):
-    """A tree pass (GPT.forward_nodes) with pruning between GPT.forward_bottom and GPT.forward_top,
-    for one row (B = 1: which nodes survive is decided on the host).
+class PruningGPT(GPT):
+    """A GPT with streams and the pruning adapter at layer N - Ns, which learns the next
+    token there (its loss joins Eq. 5, weighted as a stream's)."""
 
-    tokens: (1, n) the tree's tokens; shape: its TreeShape (tree.py); tree: the tree that made
-    it. At layer N - Ns the early transition probability of every edge decides which nodes
-    survive; a dropped node takes its subtree with it. Returns the surviving nodes' tokens
-    and shape (a subset of the same template), root first, then what GPT.forward_top returns
-    for them. The bottom layers' cached K/V of the kept nodes move to slots L..L+kept-1;
-    those of dropped nodes are simply not kept.
-    """
+    def __init__(self, config):
+        super().__init__(config)
+        self.prune_adapter = PruningAdapter(config.n_embd, config.prune_adapter_rank)
+
+    def forward(self, idx, targets=None, teacher=None):
+        main_logits, draft_logits, losses = super().forward(idx, targets, teacher)
+        if targets is not None:  # the bottom layers again: the core's forward stays the paper's
+            T = idx.shape[1]
+            h = self.forward_bottom(idx, torch.arange(T, device=idx.device),
+                                    self.chain_mask(T, idx.device))
+            early = self.prune_adapter.early_logits(self, h)
+            V = early.shape[-1]
+            losses["prune"] = F.cross_entropy(early.reshape(-1, V), targets.reshape(-1),
+                                              ignore_index=-1)
+            losses["loss"] = losses["loss"] + self.config.stream_loss_weight * losses["prune"]
+        return main_logits, draft_logits, losses
+
+
+def pruned_step(model, threshold, temperature=0.0):
+    """speculative_step with its forward pass pruned at `threshold` (greedy, one prompt)."""
+    if not getattr(model, "prune_adapter", None):
+        raise ValueError("prune_threshold needs a model trained with a pruning adapter "
+                         "(--prune_adapter_rank=8)")
+    if temperature > 0:
+        raise ValueError("parallel tree pruning is greedy only: it drops drafts by their tokens, "
+                         "which would bias speculative sampling; use temperature=0")
+    return functools.partial(speculative_step, forward=functools.partial(pruned_forward,
+                                                                         threshold=threshold))
+
+
+@torch.no_grad()
+def pruned_forward(model, cache, draft, tree, threshold):
+    """step.forward_tree with pruning between GPT.forward_bottom and GPT.forward_top, for one
+    row (B = 1: which nodes survive is decided on the host).
+
+    At layer N - Ns the early transition probability of every edge decides which nodes
+    survive; a dropped node takes its subtree with it. Returns the surviving draft (a subset
+    of the same template, root first) and what GPT.forward_top gives for it. The bottom
+    layers' cached keys and values of the kept nodes move to slots L..L+kept-1."""
+    if draft.tokens.shape[0] != 1:
+        raise ValueError("parallel tree pruning decodes one prompt at a time: give one prompt")
+    shape, tokens = draft.shape, draft.tokens
     L, n = int(cache.length[0]), shape.n_nodes
     positions = (cache.length[:, None] + shape.depth).clamp(max=model.config.block_size - 1)
     h = model.forward_bottom(tokens, positions, cache.mask(shape.window), cache, tree.draft_depth)
     if n > 1:
         parents = shape.parent[0].tolist()
-        early_probs = torch.softmax(model.prune_adapter.early_logits(model, h[0, parents[1:]]).float(), dim=-1)
-        p_edge = early_probs.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()  # P(child token | parent), early
+        early = model.prune_adapter.early_logits(model, h[0, parents[1:]])
+        p_edge = torch.softmax(early.float(), dim=-1).gather(-1, tokens[0, 1:, None])
+        p_edge = p_edge.squeeze(-1).tolist()  # P(child token | parent), early
         alive = [True] + [False] * (n - 1)
         for u in range(1, n):  # parents come first, so a dropped node's subtree goes with it
             alive[u] = alive[parents[u]] and p_edge[u - 1] >= threshold
@@ -51,9 +93,10 @@ def pruned_pass(model, tokens, shape, tree, cache, threshold):
         if len(kept) < n:
             shape = tree.subshape(shape, kept)
             k = torch.tensor(kept, device=h.device)
-            first_msa = model.config.n_layer - model.config.n_msa_layers
-            for kv in cache.kv[:first_msa]:
+            for kv in cache.kv[:model.first_msa_layer(tree.draft_depth)]:
                 kv[:, L:L + len(kept)] = kv[:, L + k]
             h, tokens = h[:, k], tokens[:, k]
-    return (tokens, shape, *model.forward_top(h, cache.mask(shape.window), cache=cache,
-                                              draft_depth=tree.draft_depth))
+            draft = draft._replace(tokens=tokens, shape=shape)
+    main_logits, draft_logits = model.forward_top(h, cache.mask(shape.window), cache=cache,
+                                                  draft_depth=tree.draft_depth)
+    return draft, main_logits, draft_logits

@@ -12,7 +12,8 @@ from dataclasses import asdict, fields
 import torch
 
 from .data import Tokenizer, prepare
-from ..model import GPT, GPTConfig
+from ..extras import build_model
+from ..model import GPTConfig
 from .nanogpt import looks_like_nanogpt
 
 
@@ -61,7 +62,7 @@ def make_checkpoint(model, **extra):
 def load_model(path, device="cpu", dtype=torch.float32):
     """(model in eval mode, tokenizer, checkpoint) from an out_dir or a ckpt.pt path."""
     ckpt = load_checkpoint(path)
-    model = GPT(model_config(ckpt["model_args"]))
+    model = build_model(model_config(ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     model.to(device=device, dtype=dtype).eval()
     return model, Tokenizer(ckpt["tokenizer"]), ckpt

@@ -1,0 +1,80 @@
+"""Decoding steps compiled whole: `compile_step(step)` (step.py's ar_step or speculative_step).
+
+The step's shapes never change from step to step, so one graph (torch.compile, fullgraph=True,
+dynamic=False) serves every step of a tree and batch size; the prefill stays eager. On CUDA
+the graph is replayed as a CUDA graph (mode="reduce-overhead"): inductor records one only
+when every tensor the step writes in place has a static address, so the cache's tensors are
+marked static (`mark_static`), and the outputs are copied out of the graph's memory before
+the next replay overwrites them. On a CPU it runs inductor's C++ wrapper with the weights
+frozen into the graph (compile a trained model, not one that will still learn); MPS decodes
+eagerly. The first steps pay the compilation (seconds per tree and batch size on a CPU).
+"""
+import torch
+from torch._inductor import config as inductor_config
+from torch.utils._pytree import tree_map
+
+MAX_GRAPHS = 64  # graphs one step function may keep in a process (trees x batch sizes x models)
+
+
+def mark_static(cache):
+    """Mark the tensors a step writes in place (each layer's keys and values, the lengths) as
+    static addresses, once per cache: a CUDA graph replays its writes at those addresses."""
+    if not getattr(cache, "static", False):
+        for t in [*cache.kv, cache.length]:
+            torch._dynamo.mark_static_address(t, guard=False)
+        cache.static = True
+
+
+def _guards_to_keep(guards):
+    """Which of dynamo's checks a compiled CPU step keeps before each call: not those on the
+    model's modules (many, and their cost shows in a small step), but each weight's identity,
+    so that a graph with frozen weights never serves another model."""
+    return [not g.orig_guard.source.is_unspecialized_nn_module() or g.guard_type == "ID_MATCH"
+            for g in guards]
+
+
+def compile_step(step):
+    """`step` compiled for the device of the model it is called with (the first argument)."""
+    graphs, seen = {}, set()
+
+    def run(model, cache, *args, **kwargs):
+        device = model.lm_head.weight.device.type
+        if device == "mps":
+            return step(model, cache, *args, **kwargs)
+        key = (id(model), cache.kv[0].shape[0], tuple(map(repr, args)))
+        if key not in seen:
+            if len(seen) >= MAX_GRAPHS:
+                raise RuntimeError(f"{step.__name__} compiled for {len(seen)} models, trees and "
+                                   "batch sizes in this process: decode the rest eagerly")
+            seen.add(key)
+            torch._dynamo.config.recompile_limit = max(MAX_GRAPHS,
+                                                       torch._dynamo.config.recompile_limit)
+        if device not in graphs:
+            graphs[device] = _compile(step, device)
+        if device == "cuda":
+            mark_static(cache)
+        return graphs[device](model, cache, *args, **kwargs)
+    run.__name__ = f"compiled_{step.__name__}"
+    return run
+
+
+def _compile(step, device):
+    if device == "cuda":
+        graph = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+        def replay(*args, **kwargs):  # copies: the next replay writes into the same buffers
+            torch.compiler.cudagraph_mark_step_begin()
+            out = graph(*args, **kwargs)
+            return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+        return replay
+    # one compile thread: a pool of compile workers left beside the decoder slows it
+    options = {"cpp_wrapper": True, "compile_threads": 1}
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # torch filters guards
+        options["guard_filter_fn"] = _guards_to_keep
+    graph = torch.compile(step, fullgraph=True, dynamic=False, options=options)
+
+    def frozen(*args, **kwargs):
+        # dynamo reads the freezing switch while it traces, before a compile's options apply
+        with inductor_config.patch(freezing=True):
+            return graph(*args, **kwargs)
+    return frozen

@@ -1,0 +1,157 @@
+"""One decoding step for every row of a batch, as the decoders (generate.py) run it.
+
+`speculative_step` (paper §3.2) is four phases, each a function below:
+  1. `draft_tree`: the root r (the next token, already decided) and candidates from the
+     streams q_1..q_gamma of the last accepted token, placed into the tree (tree.py);
+  2. `forward_tree`: one forward pass over the tree: the main stream verifies every node,
+     the streams of every node draft for the next step (model.py, masks.py);
+  3. `verify`: the token the target emits at every node (greedy, or speculative sampling:
+     sampling.py); a node is accepted when every node on its path holds the token its
+     parent emitted, and the deepest accepted node ends the path;
+  4. `accept`: each row keeps its path in its cache (kvcache.py); the path's last node's
+     streams are the next drafts.
+The step reads nothing back to the host and its shapes never change from step to step, so
+one compiled graph can serve every step (extras/compile.py). `ar_step` is the baseline's.
+"""
+from typing import NamedTuple
+
+import torch
+
+from .kvcache import KVCache
+from .masks import attention_window, pass_mask
+from .tree import TreeShape
+
+
+class Draft(NamedTuple):
+    """A tree draft in every row: tokens (B, n), the root first; its shape; the ranked
+    candidates of each depth (B, D, width); the draft logits (B, D, V) they came from and the
+    distributions sampled from them (None if greedy)."""
+    tokens: torch.Tensor
+    shape: TreeShape
+    ranked: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor | None
+
+
+class Verified(NamedTuple):
+    """targets (B, n): the target's token at every node; n_accepted (B,): the nodes on each
+    row's accepted path, root included (1..D+1); last (B,): the path's last node, as an index
+    into the batch's B * n nodes."""
+    targets: torch.Tensor
+    n_accepted: torch.Tensor
+    last: torch.Tensor
+
+
+class Step(NamedTuple):
+    """What a step gives each row: n_emitted (B,) tokens, the first n_emitted of emitted
+    (B, D+1) (its accepted drafts, then the next root); the next root (B,); the next draft
+    logits (B, D, V); and the nodes the pass verified."""
+    n_emitted: torch.Tensor
+    emitted: torch.Tensor
+    root: torch.Tensor
+    draft_logits: torch.Tensor
+    n_nodes: int
+
+
+def draft_tree(root, draft_logits, tree, sampler, max_depth):
+    """Phase 1 (§3.2.2): candidates ranked per depth from the draft logits (B, D, V) of each
+    row's last accepted position, placed into the tree's shape under the root (B,)."""
+    ranked, probs = sampler.draft(draft_logits, tree.width)
+    shape = tree.shape(draft_logits, probs, max_depth)
+    tokens = torch.cat([root.unsqueeze(1), ranked.flatten(1).gather(1, shape.gather)], dim=1)
+    return Draft(tokens, shape, ranked, draft_logits, probs)
+
+
+def forward_tree(model, cache, draft, tree):
+    """Phase 2: one pass over every node at position L + depth, each carrying the streams of
+    the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its last position:
+    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), draft logits
+    (B, n, D, V)); parallel tree pruning runs fewer nodes (extras/pruning.py)."""
+    positions = cache.length.unsqueeze(1) + draft.shape.depth
+    positions = positions.clamp(max=model.config.block_size - 1)
+    main_logits, draft_logits = model.forward_nodes(
+        draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
+        draft_depth=tree.draft_depth)
+    return draft, main_logits, draft_logits
+
+
+def verify(draft, main_logits, sampler, max_depth):
+    """Phase 3: the target's token at every node, and each row's accepted path. A node is
+    accepted when every node on its path holds the token its parent emitted and it lies
+    within max_depth (B,); children hold distinct tokens, so one node per depth at most."""
+    shape = draft.shape
+    targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape)
+    miss = draft.tokens != targets.gather(1, shape.parent)
+    miss |= shape.depth > max_depth.unsqueeze(1)
+    n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
+    last = n_accepted.argmax(1) + shape.first_node  # the deepest accepted node ends the path
+    return Verified(targets, n_accepted.take(last), last)
+
+
+def accept(cache, draft, verified, draft_logits, tree):
+    """Phase 4: each row's path moves into its cache; its last node's target token is the next
+    root and its streams' logits the next drafts. A chain's path of a nodes is its first a
+    nodes, already in place in the cache and in the targets."""
+    n, last = verified.n_accepted, verified.last
+    if tree.is_chain:
+        cache.advance(n)
+        emitted = verified.targets
+    else:
+        path = draft.shape.path.flatten(0, 1).index_select(0, last)
+        cache.accept(path, n)
+        emitted = verified.targets.gather(1, path)
+    next_drafts = draft_logits.flatten(0, 1).index_select(0, last)
+    return Step(n, emitted, verified.targets.take(last), next_drafts, draft.shape.n_nodes)
+
+
+def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,
+                     observe=None):
+    """One pass of Speculative Streaming over the batch: verify the tree drafted from
+    draft_logits (B, D, V) under each row's root (B,), and draft the next. No host sync.
+    forward: phase 2 (extras/pruning.py gives another); observe(cache, drafted, ran,
+    verified, step): called with what the pass did (lab/trace.py)."""
+    max_depth = model.config.block_size - 1 - cache.length  # positions stay < block_size
+    drafted = draft_tree(root, draft_logits, tree, sampler, max_depth)
+    draft, main_logits, next_draft_logits = forward(model, cache, drafted, tree)
+    verified = verify(draft, main_logits, sampler, max_depth)
+    step = accept(cache, draft, verified, next_draft_logits, tree)
+    if observe is not None:
+        observe(cache, drafted, draft, verified, step)
+    return step
+
+
+def ar_window(cache):
+    """The attention window of a one-token pass: a row sees its prefix and itself."""
+    one = torch.ones(1, 1, 1, dtype=torch.bool, device=cache.slot.device)
+    return attention_window(one, cache.max_len, cache.kv[0].dtype)
+
+
+def ar_step(model, cache, root, sampler, window):
+    """One autoregressive pass: cache each row's root (B,), return the token after it (B,)."""
+    main_logits, _ = model.forward_nodes(root[:, None], cache.length[:, None], cache.mask(window),
+                                         cache=cache, draft_depth=0)
+    cache.advance(1)
+    return sampler.pick(main_logits[:, 0])
+
+
+@torch.no_grad()
+def prefill(model, contexts, draft_depth, cache_slots=None):
+    """One pass over each row's context, right-padded to the longest (a row's padding comes
+    after its tokens, where nothing real looks): (a new cache with these rows, the main logits
+    at each row's last token (B, V), its draft logits (B, D, V) or None if draft_depth = 0).
+    cache_slots: the new cache's size (None: the contexts and the last token's streams only,
+    for rows that `KVCache.put_rows` copies into a batch's cache)."""
+    w = model.lm_head.weight
+    B, n = len(contexts), max(map(len, contexts))
+    idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in contexts], device=w.device)
+    last = torch.tensor([len(c) - 1 for c in contexts], device=w.device)[:, None]  # (B, 1)
+    g = model.streams_in_pass(draft_depth)
+    cache = KVCache(model.config, cache_slots or n + g, B, device=w.device, dtype=w.dtype)
+    causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
+    window = attention_window(pass_mask(causal, g, stream_idx=last), cache.max_len, w.dtype)
+    main_logits, draft_logits = model.forward_nodes(
+        idx, torch.arange(n, device=w.device), cache.mask(window), cache=cache, stream_idx=last,
+        draft_depth=draft_depth, main_idx=last)
+    cache.advance(last[:, 0] + 1)
+    drafts = None if draft_logits is None else draft_logits[:, 0].contiguous()
+    return cache, main_logits[:, 0], drafts
