@@ -92,7 +92,8 @@ def _free_memory(device):
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+            return kib * 1024
     except (OSError, StopIteration):
         return None
 

@@ -51,25 +51,21 @@ class GPTConfig:
     gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": nanoGPT's exact erf GELU
 
     def __post_init__(self):
-        def need(ok, message):
-            if not ok:
+        for bad, message in [
+            (self.n_embd % self.n_head, f"n_embd={self.n_embd} must be divisible by n_head"),
+            (self.n_streams and self.n_medusa_heads, "choose one drafter: n_streams or "
+             "n_medusa_heads (Medusa)"),
+            (self.prune_adapter_rank and not self.n_streams, "tree pruning acts before stream "
+             "insertion: prune_adapter_rank > 0 needs n_streams > 0"),
+            (self.stream_targets not in ("data", "main", "greedy"),
+             f"stream_targets={self.stream_targets!r}: give data, main or greedy"),
+            (self.gelu_approximate not in ("tanh", "none"),
+             f"gelu_approximate={self.gelu_approximate!r}: give tanh (GPT-2) or none (nanoGPT)"),
+            (self.stream_stride < 1, f"stream_stride={self.stream_stride}: give 1 or more"),
+            (self.n_streams and not 1 <= self.n_msa_layers <= self.n_layer,
+             f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer when n_streams > 0")]:
+            if bad:
                 raise ValueError(message)
-        need(self.n_embd % self.n_head == 0,
-             f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        need(not (self.n_streams and self.n_medusa_heads),
-             "choose one drafter: n_streams (Speculative Streaming) or n_medusa_heads (Medusa)")
-        need(not self.prune_adapter_rank or self.n_streams,
-             "tree pruning (prune_adapter_rank > 0) acts before stream insertion: "
-             "it needs n_streams > 0")
-        need(self.stream_targets in ("data", "main", "greedy"),
-             f"stream_targets={self.stream_targets!r}: give data, main or greedy")
-        need(self.gelu_approximate in ("tanh", "none"),
-             f"gelu_approximate={self.gelu_approximate!r}: give tanh (GPT-2) or none (nanoGPT)")
-        need(self.stream_stride >= 1,
-             f"stream_stride={self.stream_stride}: give 1 (streams at every position) or more")
-        need(not self.n_streams or 1 <= self.n_msa_layers <= self.n_layer,
-             f"n_msa_layers={self.n_msa_layers} must be in 1..n_layer={self.n_layer} "
-             "when n_streams > 0")
 
     @property
     def n_drafts(self):

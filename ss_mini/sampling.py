@@ -14,7 +14,7 @@ def target_probs(logits, temperature=1.0, top_k=None, top_p=None):
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already reaches top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # the mass before it reaches top_p
         probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -71,7 +71,8 @@ class Sampler:
     def draw_ahead(self, **shapes):
         """The draws of the next step, made before it: a compiled step cannot call the generator."""
         if self.gen is not None:
-            self.drawn = {use: torch.rand(shape, generator=self.gen, device=self.gen.device) for use, shape in shapes.items()}
+            self.drawn = {use: torch.rand(shape, generator=self.gen, device=self.gen.device)
+                          for use, shape in shapes.items()}
 
     def probs(self, logits):
         return target_probs(logits, self.temperature, self.top_k, self.top_p)
@@ -88,7 +89,8 @@ class Sampler:
         if self.gen is None:
             return torch.topk(draft_logits, width, dim=-1).indices, None
         draft_probs = self.probs(draft_logits)
-        return torch.topk(_race(draft_probs, self.uniform("draft", draft_probs)), width, dim=-1).indices, draft_probs
+        keys = _race(draft_probs, self.uniform("draft", draft_probs))
+        return torch.topk(keys, width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape):
         """The token the target emits at each node (..., n_nodes): argmax, or speculative
@@ -105,9 +107,9 @@ class Sampler:
         if self.gen is None:
             return main_logits.argmax(-1)
         V = main_logits.shape[-1]
-        rows = shape.cand_row.expand(main_logits.shape[:-1])  # each node's children come from this depth
+        rows = shape.cand_row.expand(main_logits.shape[:-1])  # the depth of each node's children
         q = draft_probs.gather(-2, rows[..., None].expand(*rows.shape, V)).reshape(-1, V)
-        cand = ranked.gather(-2, rows[..., None].expand(*rows.shape, ranked.shape[-1]))  # child r holds cand[..., r]
+        cand = ranked.gather(-2, rows[..., None].expand(*rows.shape, ranked.shape[-1]))  # child r
         tries = shape.tries.expand(cand.shape).reshape(-1, cand.shape[-1])
         cand = cand.reshape(-1, cand.shape[-1])
         p = p_target = self.probs(main_logits).reshape(-1, V)
@@ -116,13 +118,16 @@ class Sampler:
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
-            accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # probability min(1, p(x)/q(x)); never if q = 0
+            accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # min(1, p/q); never if q = 0
             ys = torch.where(accept, x, ys)
-            p = (p - q).clamp_min_(0)  # rejected: p becomes the residual max(0, p - q) (q = 0: p stays) ...
-            if r + 1 < shape.max_children:  # ... normalised; x leaves q, renormalised; accepted nodes are done
+            # rejected: p becomes the residual norm(max(0, p - q)) (q = 0: p stays); x leaves q,
+            # renormalised; nodes that accepted are done
+            p = (p - q).clamp_min_(0)
+            if r + 1 < shape.max_children:
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
                 q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
-        # none accepted: draw from the residual; where p ~ q made it underflow to all zeros, from p itself
+        # none accepted: draw from the residual (where p ~ q left all zeros: from p itself)
         p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
-        ys = torch.where(ys >= 0, ys, _race(p, self.uniform("residual", p)).argmax(-1, keepdim=True))
+        residual = _race(p, self.uniform("residual", p)).argmax(-1, keepdim=True)
+        ys = torch.where(ys >= 0, ys, residual)
         return ys.view(main_logits.shape[:-1])

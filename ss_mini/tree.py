@@ -32,51 +32,47 @@ import torch
 
 from .masks import attention_window, pass_mask, tree_mask
 
-MAX_NODES = 256  # a tree pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
+MAX_NODES = 256  # a pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
 
 
 class TreeShape:
-    """The shape of one step's tree in every row of a batch of B, as tensors on the device.
-    n nodes, D = the tree's depth:
-
-        depth       (B, n)     0 for the root, j for a candidate from stream j
-        path_length (B, n)     depth + 1: the nodes on the path root..u
-        parent      (B, n)     the parent's index (the root points to itself)
-        gather      (B, n-1)   where each node after the root takes its token from the ranked
-                               candidates: (depth - 1) * width + rank
-        anc         (B, n, n)  v is u's ancestor or u itself, the root left out (verify)
-        path        (B, n, D+1) the nodes on the path root..u, padded with u: accept's index
-        tries       (B, n, width) 1.0 where node u has an (r+1)-th child (speculative sampling)
-        window      (B, 1, R, 2S) the pass's attention mask, to be cut at each row's length (masks.py)
-    """
+    """One step's tree in every row of a batch of B, as tensors on the device (n nodes, D the
+    tree's depth). What the pass needs: depth (B, n), 0 for the root, j for a candidate of q_j;
+    window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
+    the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
+    out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
+    (B, n, width), 1.0 where node u has an (r+1)-th child, and cand_row, the depth of q its
+    children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u.
+    gather (B, n-1): where each node after the root finds its token among the ranked
+    candidates, (depth - 1) * width + rank."""
 
     def __init__(self, template, sel, n_streams, max_len, width):
         t = template
         B, n = sel.shape
-        self.n_rows, self.n_nodes, self.width = B, n, width
-        self.sel = sel  # which template nodes: (B, n), ascending, so a parent comes before its children
-        self.first_node = torch.arange(B, device=sel.device) * n  # each row's first node among the batch's B * n
+        self.n_nodes, self.width = n, width
+        self.sel = sel  # the template nodes of each row, (B, n), ascending: parents first
+        self.first_node = torch.arange(B, device=sel.device) * n  # row b's first of the B * n
         self.depth, self.rank = t.depth[sel], t.rank[sel]
-        self.path_length = self.depth + 1  # the tokens a row emits when u ends its accepted path
+        self.path_length = self.depth + 1  # the tokens a row emits when u ends its path
         self.gather = t.gather[sel][:, 1:]
-        inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template node -> its index here
+        inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template -> here
         inv.scatter_(1, sel, torch.arange(n, device=sel.device).expand(B, n))
         self.parent = inv.gather(1, t.parent[sel])
         self.path = inv.gather(1, t.path[sel].flatten(1)).view(B, n, -1)
-        anc = t.anc[sel[:, :, None], sel[:, None, :]]  # (B, n, n): v is an ancestor of u, or u itself
+        anc = t.anc[sel[:, :, None], sel[:, None, :]]
         self.anc = anc.clone()
-        self.anc[:, :, 0] = False  # the root is always accepted
+        self.anc[:, :, 0] = False
         ones = torch.ones(B, n - 1, device=sel.device)
         children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
         self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()
         self.max_children = min(width, t.max_children)
-        self.cand_row = self.depth.clamp(max=max(n_streams, 1) - 1)  # each node's children come from this depth's q
+        self.cand_row = self.depth.clamp(max=max(n_streams, 1) - 1)
         self.window = attention_window(pass_mask(anc, n_streams), max_len, t.dtype)
 
 
 class Template:
-    """A tree's template: every node it may use, as (depth, rank) paths in topological order,
-    with the tensors that every shape gathers from."""
+    """A tree's template: every node it may use, as (rank at depth 1, rank at depth 2, ...)
+    paths in topological order, with the tensors that every shape gathers from."""
 
     def __init__(self, paths, width, device, dtype):
         index = {p: i for i, p in enumerate(paths)}
@@ -85,50 +81,49 @@ class Template:
         ranks = [0] + [p[-1] for p in paths[1:]]
         depths = [len(p) for p in paths]
         D = max(depths)
-        self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # children hold ranks 0..m-1
-        on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # the nodes root..u
-        anc = tree_mask([-1] + parent[1:])  # masks.py: u's ancestors and u itself
+        self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # ranks 0..m-1
+        on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # root..u
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
         self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
-        self.anc = anc.to(device)
-        self.anc_t = self.anc.T.float()  # a budget tree scores its nodes in float32: log q summed along the path
-        self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # every rank on the path is 0: the top-1 chain
+        self.anc = tree_mask([-1] + parent[1:]).to(device)  # u's ancestors and u (masks.py)
+        self.anc_t = self.anc.T.float()  # a budget tree sums log q along paths, in float32
+        self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # the top-1 chain's nodes
 
 
 class _Tree:
-    """What both trees share: binding to a model (streams, block size, vocabulary), a device
-    and a dtype, which builds the template."""
+    """What both trees share: binding to a model, which builds the template."""
 
     def bind(self, config, device, dtype, batch_size=1):
         """Ready for a model (its streams, block size, vocabulary), a device, a dtype and a
         batch size: builds the template once, and a Cartesian tree's shape per batch size."""
         if len(self) > MAX_NODES:
-            raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES} (tens are typical)")
-        # the depths it drafts: a pass runs that many streams (GPT.forward_nodes, n_streams), and
-        # at least one, so that every pass drafts for the next
+            raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES}")
+        # the depths it drafts, so the streams a pass runs: at least one, to draft the next pass
         draft_depth = max(1, min(self.max_depth, config.n_drafts))
         width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
         device = torch.empty(0, device=device).device  # "cuda" is cuda:0: one device, one key
         key = (draft_depth, config.block_size, str(device), dtype, width)
         if getattr(self, "_key", None) != key:
             self._key, self.draft_depth, self.width = key, draft_depth, width
-            self.max_len = config.block_size + len(self) * (1 + draft_depth)  # the cache: accepted + a pass's rows
-            self.template = Template(self.paths(min(self.max_depth, config.n_drafts), width), width, device, dtype)
-            self.is_chain = self.template.max_children <= 1  # an accepted path is then a prefix: nothing to move
+            # the cache's slots: the accepted tokens, then a pass's rows
+            self.max_len = config.block_size + len(self) * (1 + draft_depth)
+            paths = self.paths(min(self.max_depth, config.n_drafts), width)
+            self.template = Template(paths, width, device, dtype)
+            self.is_chain = self.template.max_children <= 1  # a path is then a prefix
             self.fixed = {}  # a Cartesian tree's one shape, per batch size
-        if batch_size not in self.fixed and isinstance(self, CartesianTree):
-            sel = torch.arange(self.template.size, device=device).expand(batch_size, -1)
-            self.fixed[batch_size] = TreeShape(self.template, sel, draft_depth, self.max_len, width)
+        if isinstance(self, CartesianTree):
+            self.shape_for(batch_size)  # built here, outside a compiled step
         return self
 
     def __len__(self):
         return self.n_nodes
 
     def subshape(self, shape, kept):
-        """The shape of the nodes `kept` (ascending indices, closed under parents) of a one-row shape."""
-        return TreeShape(self.template, shape.sel[:, kept], self.draft_depth, self.max_len, self.width)
+        """The shape of a one-row shape's nodes `kept` (ascending, closed under parents)."""
+        sel = shape.sel[:, kept]
+        return TreeShape(self.template, sel, self.draft_depth, self.max_len, self.width)
 
 
 class CartesianTree(_Tree):
@@ -138,13 +133,13 @@ class CartesianTree(_Tree):
             raise ValueError(f"tree {ks!r}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
         self.n_nodes = sum(math.prod(self.ks[:j]) for j in range(len(self.ks) + 1))
         if self.n_nodes > MAX_NODES:
-            raise ValueError(f"tree {self} has {self.n_nodes} nodes; use at most {MAX_NODES} (tens are typical)")
+            raise ValueError(f"tree {self} has {self.n_nodes} nodes; use at most {MAX_NODES}")
         self.max_width, self.max_depth = max(self.ks), len(self.ks)
 
     def bind(self, config, device, dtype, batch_size=1):
         if self.max_width > config.vocab_size:
-            raise ValueError(f"tree {self} asks for the top {self.max_width} tokens of a depth, but the vocabulary "
-                             f"has {config.vocab_size}")
+            raise ValueError(f"tree {self} asks for the top {self.max_width} tokens of a depth, "
+                             f"but the vocabulary has {config.vocab_size}")
         return super().bind(config, device, dtype, batch_size)
 
     def paths(self, depth, width):
@@ -154,8 +149,16 @@ class CartesianTree(_Tree):
         return paths
 
     def shape(self, draft_logits, draft_probs=None, max_depth=None):
-        """The same shape for every row and every step (built by `bind`)."""
-        return self.fixed[draft_logits.shape[0]]
+        """The same shape for every row and every step."""
+        return self.shape_for(draft_logits.shape[0])
+
+    def shape_for(self, batch_size):
+        """The shape of a batch: built once per batch size (by `bind` for the decoders)."""
+        if batch_size not in self.fixed:
+            t = self.template
+            sel = torch.arange(t.size, device=t.depth.device).expand(batch_size, -1)
+            self.fixed[batch_size] = TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
+        return self.fixed[batch_size]
 
     def __repr__(self):
         return ",".join(map(str, self.ks))
@@ -166,16 +169,21 @@ class BudgetTree(_Tree):
         if n_nodes < 1:
             raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
         self.n_nodes, self.n_streams = int(n_nodes), n_streams
-        self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n nodes is n - 1 deep
+        self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n is n - 1 deep
 
     def paths(self, depth, width):
         """Every path (rank at depth 1, rank at depth 2, ...) that can be among the best n with
         the top-1 chain: the paths it needs (prefixes, lower ranks) and the chain fit in n."""
         n, chain = self.n_nodes, min(depth, self.n_nodes - 1)
-        need = lambda p: 1 + sum(math.prod(r + 1 for r in p[:j]) for j in range(1, len(p) + 1)) + max(0, chain - len(p))
+
+        def need(p):  # nodes that p brings with it: its prefixes' lower ranks, the chain's rest
+            kin = sum(math.prod(r + 1 for r in p[:j]) for j in range(1, len(p) + 1))
+            return 1 + kin + max(0, chain - len(p))
+
         out, level = [()], [()]
-        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper extension
-            level = [p + (r,) for p in level for r in itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))]
+        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper child
+            fits = lambda p: itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))
+            level = [p + (r,) for p in level for r in fits(p)]
             out += level
         return out
 
@@ -186,15 +194,17 @@ class BudgetTree(_Tree):
         first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
         template order among ties, so the n best are a tree: a parent before its children."""
         t = self.template
-        q = torch.softmax(draft_logits.float(), dim=-1) if draft_probs is None else draft_probs.float()
-        logq = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values.clamp_min(1e-30).log().flatten(1)
+        q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
+        top = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values
+        logq = top.clamp_min(1e-30).log().flatten(1)
         step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
         step[:, 0] = 0.0
         score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
         score = score.masked_fill(t.on_chain, torch.inf)
         if max_depth is not None:
             score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
-        sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes].sort(dim=1).values
+        best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes]
+        sel = best.sort(dim=1).values
         return TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
 
     def __repr__(self):
@@ -220,8 +230,8 @@ def make_tree(spec, n_streams):
             return BudgetTree(int(spec[1:]), n_streams)
         ks = [int(k) for k in spec.split(",")]
     except ValueError:
-        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node budget (e.g. n16), "
-                         "chain or none") from None
+        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node "
+                         "budget (e.g. n16), chain or none") from None
     if len(ks) > n_streams:
-        raise ValueError(f"--tree={spec} has {len(ks)} depths but the model has {n_streams} streams")
+        raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
     return CartesianTree(ks)

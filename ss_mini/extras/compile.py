@@ -13,6 +13,8 @@ import torch
 from torch._inductor import config as inductor_config
 from torch.utils._pytree import tree_map
 
+from ..sampling import Sampler
+
 MAX_GRAPHS = 64  # graphs one step function may keep in a process (trees x batch sizes x models)
 
 
@@ -33,6 +35,14 @@ def _guards_to_keep(guards):
             for g in guards]
 
 
+def _kind(arg):
+    """What of a step's argument a graph is specialised on: a tensor's shape, a sampler's mode
+    (greedy or not), a tree's spec."""
+    if isinstance(arg, torch.Tensor):
+        return tuple(arg.shape)
+    return arg.gen is None if isinstance(arg, Sampler) else repr(arg)
+
+
 def compile_step(step):
     """`step` compiled for the device of the model it is called with (the first argument)."""
     graphs, seen = {}, set()
@@ -41,7 +51,7 @@ def compile_step(step):
         device = model.lm_head.weight.device.type
         if device == "mps":
             return step(model, cache, *args, **kwargs)
-        key = (id(model), cache.kv[0].shape[0], tuple(map(repr, args)))
+        key = (id(model), cache.kv[0].shape[0], *map(_kind, args))
         if key not in seen:
             if len(seen) >= MAX_GRAPHS:
                 raise RuntimeError(f"{step.__name__} compiled for {len(seen)} models, trees and "
