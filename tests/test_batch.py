@@ -9,6 +9,7 @@ from ss_mini import generate
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.kvcache import KVCache
 from ss_mini.sampling import Sampler
+from ss_mini.step import ar_step, ar_window, prefill, speculative_step
 from ss_mini.tree import make_tree
 
 
@@ -88,22 +89,64 @@ def test_compaction_keeps_each_rows_own_path():
     assert cache.length.tolist() == [8, 4, 18]
 
 
-def test_rows_that_finish_leave_the_batch(monkeypatch):
-    """A row that is done costs no more compute: its cache row is dropped."""
-    model = random_model(seed=4, std=0.4)
-    sizes = []
-    step = generate.speculative_step
-
+def _spy(step, sizes, lengths=None):
+    """step, recording the batch size of every call (and the cache's lengths before it)."""
     def spy(model, cache, *args, **kw):
         sizes.append(len(cache.length))
+        if lengths is not None:
+            lengths.append(cache.length.tolist())
         return step(model, cache, *args, **kw)
-    monkeypatch.setattr(generate, "speculative_step", spy)
+    return spy
+
+
+def test_rows_that_finish_ride_along():
+    """A row that is done stays in the batch, its tokens dropped, until every row is done: the
+    batch keeps its size (every step has the same shapes), in both decoders, and every output is
+    still its prompt decoded alone."""
+    model = random_model(seed=4, std=0.4)
     prompts = [[1], [2, 3], [4]]
     eot = generate_ar(model, prompts[0], 40)[0][3]  # the first row ends after 3 tokens, others later or never
     ar = [generate_ar(model, p, 40, eot=eot)[0] for p in prompts]
-    outs, _ = generate_speculative(model, prompts, 40, make_tree("1,1", 3), eot=eot)
+    sizes_ss, sizes_ar = [], []
+    outs, st_ss = generate_speculative(model, prompts, 40, make_tree("1,1", 3), eot=eot,
+                                       step=_spy(speculative_step, sizes_ss))
     assert outs == ar and len(ar[0]) == 3 and max(map(len, ar)) > 3
-    assert sizes[0] == 3 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 3
+    outs, st_ar = generate_ar(model, prompts, 40, eot=eot, step=_spy(ar_step, sizes_ar))
+    assert outs == ar
+    for sizes, st in ((sizes_ss, st_ss), (sizes_ar, st_ar)):
+        # some steps ran after a row had finished (fewer rows emitted than the batch carried) ...
+        assert len(st.accepted) < 3 * len(sizes)
+        assert set(sizes) == {3}  # ... and still carried 3 rows
+
+
+def test_finished_rows_riding_along_need_no_rebuild():
+    """A finished row riding along fills its cache too, but its tokens are dropped: it moves back
+    without a prefill pass. So a batch whose other row crosses block_size counts the prefill, the
+    decode passes and the live row's rebuilds only, as that row decoded alone does."""
+    model = random_model(seed=4, std=0.4)
+    prompts, n = [[1, 6], [5]], 70  # 70 tokens: row 1 crosses block_size 32 twice
+    eot = 8  # row 0 emits it as its 4th token, row 1 not at all in its 70 tokens
+    alone = [generate_ar(model, p, n, eot=eot)[0] for p in prompts]
+    assert len(alone[0]) == 3 and len(alone[1]) == n
+    for spec in (None, "1,1", "3,2,1", "n8"):
+        sizes, lengths = [], []
+        if spec is None:
+            solo_out, solo = generate_ar(model, prompts[1], n)
+            outs, st = generate_ar(model, prompts, n, eot=eot, step=_spy(ar_step, sizes, lengths))
+        else:
+            tree = make_tree(spec, 3)
+            solo_out, solo = generate_speculative(model, prompts[1], n, tree)
+            outs, st = generate_speculative(model, prompts, n, tree, eot=eot,
+                                            step=_spy(speculative_step, sizes, lengths))
+            assert len(st.nodes) == len(sizes)
+        assert outs == alone and solo_out == alone[1]
+        decode = len(sizes)  # the batch's decode passes: as many as the live row's alone
+        assert decode == (len(solo.nodes) if spec else len(solo.accepted))
+        live_rebuilds = solo.passes - 1 - decode  # the live row alone: prefill, decode passes, rebuilds
+        assert live_rebuilds >= 1  # it crossed block_size
+        finished_moved_back = sum(after[0] < before[0] for before, after in zip(lengths, lengths[1:]))
+        assert finished_moved_back >= 1, spec  # the finished row filled its cache and slid too
+        assert set(sizes) == {2} and st.passes == 1 + decode + live_rebuilds, (spec, st.passes, decode, live_rebuilds)
 
 
 def test_bad_batches_are_one_line_errors(monkeypatch):
@@ -116,8 +159,33 @@ def test_bad_batches_are_one_line_errors(monkeypatch):
     monkeypatch.setattr(generate, "_free_memory", lambda device: 1 << 20)  # 1 MiB free
     with pytest.raises(ValueError, match=r"a batch of 4000 rows needs a KV cache of .* GiB"):
         generate_speculative(model, [[1]] * 4000, 5, tree)
-    with pytest.raises(ValueError, match="one prompt"):
-        generate_speculative(model, [[1], [2]], 5, tree, on_pass=lambda step: None)
+    with pytest.raises(ValueError, match=r"prompts of shape \(1, 2, 1\)"):
+        generate_ar(model, torch.tensor([[[1], [2]]]), 5)
+    with pytest.raises(ValueError, match=r"prompts of shape \(1, 2, 1\)"):
+        generate_speculative(model, torch.tensor([[[1], [2]]]), 5, tree)
+    with pytest.raises(ValueError, match="temperature"):
+        generate_speculative(model, [[1], [2]], 5, tree, temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        generate_ar(model, [[1], [2]], 5, temperature=-1.0)
+    from ss_mini.extras.pruning import pruned_step
+    pruning = random_model(prune_adapter_rank=4)
+    with pytest.raises(ValueError, match="one prompt"):  # parallel tree pruning decodes one prompt
+        generate_speculative(pruning, [[1], [2]], 5, tree, step=pruned_step(pruning, 0.1))
+
+
+def test_a_tensor_of_prompts_is_a_batch():
+    """A 2-D tensor is a batch (as its rows as lists), a 1-D tensor one prompt (as a list)."""
+    model = random_model(seed=3, std=0.4)
+    tree = make_tree("2,1", 3)
+    rows = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    for decode in (lambda p, **kw: generate_ar(model, p, 40, **kw),
+                   lambda p, **kw: generate_speculative(model, p, 40, tree, **kw)):
+        want, st = decode(rows)
+        got, st2 = decode(torch.tensor(rows))
+        assert got == want and len(got) == 3 and st2.passes == st.passes
+        assert decode(torch.tensor(rows[1]))[0] == decode(rows[1])[0] == want[1]
+        kw = dict(temperature=0.8, top_k=5, seed=1)
+        assert decode(torch.tensor(rows), **kw)[0] == decode(rows, **kw)[0]
 
 
 SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
@@ -142,17 +210,16 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     """speculative_step (draft, forward, verify, accept) and ar_step read nothing back to the host;
     the decoders read once per step: the tokens they emit."""
     model = random_model(seed=2, std=0.4)
-    tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64)
+    tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64, batch_size=2)
     sampler = Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
-    cache, logits, drafts = generate._prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
+    cache, logits, drafts = prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
     root = sampler.pick(logits)
     with torch.inference_mode():
-        generate.speculative_step(model, cache, root, drafts, tree, sampler, 31 - cache.length)  # shapes built
         calls = _count_syncs(monkeypatch)
         for _ in range(3):
-            out = generate.speculative_step(model, cache, root, drafts, tree, sampler, 31 - cache.length)
-            root, drafts = out[1], out[2]
-        generate.ar_step(model, cache, root, sampler, generate.ar_window(cache))
+            out = speculative_step(model, cache, root, drafts, tree, sampler)
+            root, drafts = out.root, out.draft_logits
+        ar_step(model, cache, root, sampler, ar_window(cache))
     assert calls == []
     out, stats = generate_speculative(model, [[1, 2, 3], [4, 5]], 20, tree, **kw)
     assert calls.count("tolist") == stats.passes and len(calls) == stats.passes  # prefill + one per step
@@ -191,42 +258,41 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
 
 
 @pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]], [[5, 6, 7, 8]]])
-def test_eager_passes_read_only_the_slots_in_use(monkeypatch, prompts):
-    """KVCache.read_to: an eager pass attends over the first slots that hold any row's prefix and
-    pass, and gives the logits of a pass over every slot (float64). Rows of one length (one row
-    always) write and mask by slices: the same logits as the gather that rows of different
-    lengths need."""
+def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
+    """Attention reads all of a cache's slots, so every step has the same shapes; the mask
+    (KVCache.mask) shows row b its prefix, the slots below its length L[b], and hides every slot
+    past the pass's R rows, L[b] + R on. Checked at every pass of both decoders (the prefill's
+    included), for rows of different lengths, of one length and one row alone: the mask's prefix
+    and tail, and the same outputs and logits (float64) when every slot from each row's length
+    on holds garbage before the pass, as when it holds whatever earlier passes left there."""
     model = random_model(seed=6, std=0.4, block_size=96)
-    spans, logits = [], {}
-    forward = model.forward_nodes
+    tree = make_tree("2,1", 3)
+    forward, gen = model.forward_nodes, torch.Generator().manual_seed(0)
+    logits, garbage = {}, False
 
-    def spy(*args, cache=None, **kw):
-        spans.append((cache.span, int(cache.length.max())))
-        out = forward(*args, cache=cache, **kw)
-        logits.setdefault(how, []).append(out[0])
+    def spy(idx, pos, mask, cache=None, **kw):
+        R, lengths = mask.shape[2], cache.length.tolist()
+        assert mask.shape == (len(lengths), 1, R, cache.max_len)
+        for b, L in enumerate(lengths):
+            assert (mask[b, 0, :, :L] == 0).all()  # the prefix: seen by every row of the pass
+            tail = mask[b, 0, :, L + R:]
+            assert torch.isinf(tail).all() and (tail < 0).all()  # past the pass: hidden
+            if garbage:
+                for kv in cache.kv:
+                    kv[b, L:] = torch.randn(kv[b, L:].shape, generator=gen, dtype=kv.dtype) * 1e3
+        out = forward(idx, pos, mask, cache=cache, **kw)
+        logits.setdefault((decoder, garbage), []).append(out[0])
         return out
     monkeypatch.setattr(model, "forward_nodes", spy)
-    tree = make_tree("2,1", 3)
-    read_to = KVCache.read_to
-
-    def read_all_slots(cache, lengths, pass_rows):
-        read_to(cache, lengths, len(cache.slot))
-
-    def gather_per_row(cache, lengths, pass_rows):
-        read_to(cache, lengths, len(cache.slot))
-        cache._same_length = None
-
-    for how in ("span", read_all_slots, gather_per_row):  # the same decode with every pass over all slots
-        if how != "span":
-            monkeypatch.setattr(KVCache, "read_to", how)
-        spans.clear()
-        out = generate_speculative(model, prompts, 12, tree)[0]
-        if how == "span":
-            first, want = out, spans[1:]  # the first pass is the prefill's, over a new cache
-        assert out == first
-    for how in (read_all_slots, gather_per_row):
-        assert len(logits[how]) == len(logits["span"])
-        for a, b in zip(logits["span"], logits[how]):
+    for decoder in ("ar", "ss"):
+        outs = {}
+        for garbage in (False, True):
+            if decoder == "ar":
+                outs[garbage] = generate_ar(model, prompts, 12)[0]
+            else:
+                outs[garbage] = generate_speculative(model, prompts, 12, tree)[0]
+        assert outs[True] == outs[False]
+        clean, dirty = logits[decoder, False], logits[decoder, True]
+        assert len(clean) == len(dirty) > 1
+        for a, b in zip(clean, dirty):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    S = tree.bind(model.config, "cpu", torch.float64).max_len
-    assert all(L + len(tree) * 3 <= span < S and span % 16 == 0 for span, L in want)  # fewer slots than all

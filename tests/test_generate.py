@@ -7,10 +7,13 @@ import pytest
 import torch
 from conftest import random_model
 
+from ss_mini import ar_step, compile_step, speculative_step
+from ss_mini.lab.shapes import host_shape
 from ss_mini.io.checkpoint import load_model
-from ss_mini.generate import compiled, generate_ar, generate_speculative
+from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
+from ss_mini.step import prefill
 from ss_mini.tree import BudgetTree, CartesianTree, make_tree
 
 TREES = ["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
@@ -46,7 +49,7 @@ def test_a_shape_has_one_name_per_meaning():
     never both on one object."""
     tree = make_tree("2,1", 3).bind(random_model().config, "cpu", torch.float64)
     shape = tree.shape(torch.randn(1, 2, 11, dtype=torch.float64), max_depth=torch.tensor([9]))
-    host = shape.host()
+    host = host_shape(shape)
     assert torch.is_tensor(shape.depth) and not hasattr(shape, "depths")
     assert host.depths == [0, 1, 1, 2, 2] and not hasattr(host, "depth")
 
@@ -66,34 +69,109 @@ def test_greedy_identity_trained_model(tiny_ckpt):
 
 
 def test_compiled_decoders_match_eager():
-    """--compile=True: the steps compiled whole give both decoders the outputs of the eager
-    ones, across cache lengths, a chain and a budget tree, a sliding-window rebuild and a batch
-    whose rows finish; sampling with one seed draws the same tokens."""
+    """--compile=True: the steps compiled whole (compile_step) give both decoders the outputs of
+    the eager ones, across cache lengths, a chain and a budget tree, a sliding-window rebuild and
+    a batch whose rows finish; sampling with one seed draws the same tokens."""
     model = random_model(seed=1, dtype=torch.float32, std=0.4, n_layer=2)
-    fast = compiled(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    attrs = set(vars(model))
+    fast_ar, fast_ss = compile_step(ar_step), compile_step(speculative_step)
     for spec, prompt in (("1,1,1", [1, 2, 3]), ("n5", [4] * 9)):
         tree = make_tree(spec, 3)
         ar = generate_ar(model, prompt, 40)[0]
-        assert generate_ar(fast, prompt, 40)[0] == ar
-        assert generate_speculative(fast, prompt, 40, tree)[0] == ar
+        assert generate_ar(model, prompt, 40, step=fast_ar)[0] == ar
+        assert generate_speculative(model, prompt, 40, tree, step=fast_ss)[0] == ar
     prompts = [[1, 2, 3], [5], [4] * 9]
     eot = generate_ar(model, prompts[1], 40)[0][5]
-    assert generate_speculative(fast, prompts, 40, tree, eot=eot)[0] == generate_ar(model, prompts, 40, eot=eot)[0]
+    want = generate_ar(model, prompts, 40, eot=eot)[0]
+    assert generate_speculative(model, prompts, 40, tree, eot=eot, step=fast_ss)[0] == want
+    assert generate_ar(model, prompts, 40, eot=eot, step=fast_ar)[0] == want
     kw = dict(temperature=0.9, top_k=5, seed=3)
-    assert generate_speculative(fast, [1, 2], 20, tree, **kw)[0] == generate_speculative(model, [1, 2], 20, tree, **kw)[0]
-    assert not getattr(model, "compile_steps", False)  # the eager model is untouched
+    assert (generate_speculative(model, [1, 2], 20, tree, step=fast_ss, **kw)[0]
+            == generate_speculative(model, [1, 2], 20, tree, **kw)[0])
+    # the eager model is untouched: no new attribute, the same weights, and it still decodes eagerly
+    assert set(vars(model)) == attrs and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert generate_speculative(model, prompt, 40, tree)[0] == ar
     tree = make_tree("2,1", 3)  # new to this model: its first step compiles, and no later one may
-    generate_speculative(fast, [7, 8], 4, tree)
+    generate_speculative(model, [7, 8], 4, tree, step=fast_ss)
     with torch.compiler.set_stance("fail_on_recompile"):  # one graph serves every step: nothing the host
-        generate_ar(fast, [7, 8], 60)                     # changes per step (a length, a span) reaches it
-        generate_speculative(fast, [7, 8], 60, tree)
-    # a second compiled model of the same shapes decodes with its own graphs, never the first one's
-    # (a CPU graph skips dynamo's checks of the modules, but not of each weight's identity)
+        generate_ar(model, [7, 8], 60, step=fast_ar)     # changes per step (a length, a span) reaches it
+        generate_speculative(model, [7, 8], 60, tree, step=fast_ss)
+    # a second model of the same shapes decodes with its own graphs, never the first one's (a CPU
+    # graph skips dynamo's checks of the modules, but not of each weight's identity)
     model2 = random_model(seed=2, dtype=torch.float32, std=0.4, n_layer=2)
-    fast2, ar2 = compiled(model2), generate_ar(model2, [7, 8], 30)[0]
+    ar2 = generate_ar(model2, [7, 8], 30)[0]
     assert ar2 != generate_ar(model, [7, 8], 30)[0]
-    assert generate_ar(fast2, [7, 8], 30)[0] == ar2 and generate_speculative(fast2, [7, 8], 30, tree)[0] == ar2
-    assert generate_speculative(fast, [7, 8], 30, tree)[0] == generate_ar(model, [7, 8], 30)[0]
+    assert generate_ar(model2, [7, 8], 30, step=fast_ar)[0] == ar2
+    assert generate_speculative(model2, [7, 8], 30, tree, step=fast_ss)[0] == ar2
+    assert generate_speculative(model, [7, 8], 30, tree, step=fast_ss)[0] == generate_ar(model, [7, 8], 30)[0]
+
+
+def _tensors(obj, seen=None, depth=0):
+    """Every tensor reachable from obj through attributes, lists, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, seen, depth + 1)]
+
+
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "n8"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=5)], ids=["greedy", "sampling"])
+def test_mark_static_marks_every_tensor_a_step_writes(spec, kw):
+    """A CUDA graph replays a step's in-place writes at fixed addresses: inductor records one only
+    when every tensor the step mutates is a static input. mark_static(cache) must mark each tensor
+    that an eager speculative_step (or ar_step) writes in place, among everything reachable from the
+    cache, the sampler, the tree and the step's inputs."""
+    from ss_mini.extras.compile import mark_static
+    from ss_mini.step import ar_window
+    model = random_model(seed=2, std=0.4)
+    tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64, batch_size=2)
+    sampler = Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
+    cache, logits, drafts = prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
+    root = sampler.pick(logits)
+    mark_static(cache)
+    with torch.no_grad():  # (not inference_mode: its tensors keep no version counter)
+        for run in ("speculative", "ar"):
+            sampler.draw_ahead(draft=(2, tree.draft_depth, 11), verify=(2 * len(tree), tree.width),
+                               residual=(2 * len(tree), 11), pick=(2, 11))
+            reachable = _tensors([cache, sampler, tree, root, drafts])
+            before = [(t, t._version) for t in reachable]
+            if run == "speculative":
+                out = speculative_step(model, cache, root, drafts, tree, sampler)
+                root, drafts = out.root, out.draft_logits
+            else:
+                root = ar_step(model, cache, root, sampler, ar_window(cache))
+            written = [t for t, v in before if t._version != v]
+            assert any(t is cache.length for t in written) and any(t is cache.kv[0] for t in written)
+            unmarked = [tuple(t.shape) for t in written if not hasattr(t, "_dynamo_static_input_type")]
+            assert not unmarked, f"{run} step writes tensors that mark_static leaves unmarked: {unmarked}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_compiled_cuda_steps_replay_as_cuda_graphs():
+    """On CUDA a compiled step is replayed as a CUDA graph: inductor skips none (every tensor the
+    step writes is static), and greedy outputs are the eager ones."""
+    from torch._dynamo.utils import counters
+    model = random_model(seed=1, dtype=torch.float32, std=0.4, n_layer=2).cuda()
+    tree = make_tree("3,2,1", 3)
+    prompts = [[1, 2, 3], [4, 5]]
+    want = generate_ar(model, prompts, 40)[0]
+    counters.clear()
+    fast_ar, fast_ss = compile_step(ar_step), compile_step(speculative_step)
+    assert generate_speculative(model, prompts, 40, tree, step=fast_ss)[0] == want
+    assert generate_ar(model, prompts, 40, step=fast_ar)[0] == want
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 def _draft(tree, root, q, max_depth, vocab_size):
@@ -104,7 +182,7 @@ def _draft(tree, root, q, max_depth, vocab_size):
     shape = tree.shape(q[None], None, torch.tensor([max_depth]))
     ranked = torch.topk(q[None], tree.width, dim=-1).indices
     tokens = torch.cat([torch.tensor([[root]]), ranked.flatten(1).gather(1, shape.gather)], dim=1)
-    return tokens[0].tolist(), shape.host()
+    return tokens[0].tolist(), host_shape(shape)
 
 
 def test_budget_tree_is_best_first_and_holds_top1_chain():
@@ -167,7 +245,7 @@ def test_a_tree_runs_as_many_streams_as_it_is_deep():
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
     shape = tree.shape(torch.randn(1, 2, 11), max_depth=torch.tensor([9]))
     assert shape.window.shape[2] == 5 * (1 + 2)  # 5 main rows, 2 streams each
-    assert shape.host().mask(3).shape == (5 * (1 + 2), 3 + 5 * (1 + 2))
+    assert host_shape(shape).mask(3).shape == (5 * (1 + 2), 3 + 5 * (1 + 2))
 
 
 def _exact_first_tokens(model, prompt, k, **kw):
@@ -212,23 +290,45 @@ def _sample_counts(generate, n):
     return counts, accepted
 
 
+STREAMS, MEDUSA = dict(n_streams=2), dict(n_streams=0, n_medusa_heads=3)
+
+
 # a chain, several children per node, a budget tree; and more children than top_k leaves tokens:
-# ranks 2 and 3 of "4,1" hold tokens that q never draws, tried after q's support is used up
-@pytest.mark.parametrize("spec, kw", [(spec, kw) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
-                         + [("4,1", dict(temperature=0.9, top_k=2))])
-def test_speculative_sampling_is_lossless(spec, kw):
-    """The first tokens follow the exact distribution (by enumeration) for every tree and
-    sampling setting, drafts are accepted and rejected, and impossible tokens never appear."""
-    model = random_model(seed=1, std=0.5, vocab_size=4, n_streams=2, block_size=16)
+# ranks 2 and 3 of "4,1" hold tokens that q never draws, tried after q's support is used up.
+# Medusa's 3 heads with trees less deep than 3: a pass drafts only the depths its tree uses
+@pytest.mark.parametrize("spec, kw, drafter", [(spec, kw, STREAMS) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
+                         + [("4,1", dict(temperature=0.9, top_k=2), STREAMS),
+                            ("1,1", dict(temperature=0.8), MEDUSA), ("3,2", SAMPLING[1], MEDUSA)],
+                         ids=lambda v: ("medusa" if v.get("n_medusa_heads") else "streams") if "n_streams" in v
+                         else "-".join(f"{k}{x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+def test_speculative_sampling_is_lossless(spec, kw, drafter):
+    """The first tokens follow the exact distribution (by enumeration) for every tree, sampling
+    setting and drafter, drafts are accepted and rejected, and impossible tokens never appear."""
+    model = random_model(seed=1, std=0.5, vocab_size=4, block_size=16, **drafter)
     prompt, k, n = [1, 2], 3, 1000
     probs = _exact_first_tokens(model, prompt, k, **kw)
-    tree = make_tree(spec, 2)
+    tree = make_tree(spec, model.config.n_drafts)
     counts, accepted = _sample_counts(lambda i: generate_speculative(model, prompt, k, tree, seed=i, **kw), n)
     assert not [seq for seq in counts if probs[seq] == 0], "a token of probability 0 was emitted"
     ok, stat, crit = _chi_square_ok(counts, probs, n)
     assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
     # both paths ran: drafts were accepted, and some pass stopped before the tree's depth (all children rejected)
     assert max(accepted) > 1 and min(accepted) < 3
+
+
+def test_medusa_sampling_with_a_tree_less_deep_than_its_heads():
+    """Medusa with 3 heads, a tree 2 deep, sampling: a pass drafts the 2 depths the tree uses (the
+    draws are made for 2), and the decoders give the tokens asked for, alone and in a batch, across
+    the sliding window."""
+    model = random_model(seed=2, std=0.4, n_streams=0, n_medusa_heads=3)
+    tree = make_tree("1,1", 3)
+    for prompt, n in (([1, 2, 3], 10), ([[1, 2, 3], [4]], 70)):
+        out, stats = generate_speculative(model, prompt, n, tree, temperature=0.8, seed=0)
+        outs = [out] if isinstance(prompt[0], int) else out
+        assert [len(o) for o in outs] == [n] * len(outs) and all(0 <= t < 11 for o in outs for t in o)
+        assert stats.new_tokens == n * len(outs) and max(stats.accepted) <= 3
+        again, _ = generate_speculative(model, prompt, n, tree, temperature=0.8, seed=0)
+        assert again == out  # one seed, one output
 
 
 @pytest.mark.parametrize("children", [1, 2, 3, 5])
@@ -355,13 +455,34 @@ def test_edge_cases():
         ss, sb = generate_speculative(model, prompt, n, tree)
         assert ss == ar and len(ss) == n
         assert sa.passes >= n  # one pass per token, plus a rebuild when the window slides
-    with pytest.warns(UserWarning, match="keeping the last"):
+    with pytest.warns(UserWarning, match=f"keeping its last {T // 2}"):
         long_ar, _ = generate_ar(model, list(range(11)) * 5, 10)
-    assert long_ar == generate_ar(model, (list(range(11)) * 5)[-T:], 10)[0]
+    assert long_ar == generate_ar(model, (list(range(11)) * 5)[-(T // 2):], 10)[0]
     with pytest.raises(ValueError, match="empty prompt"):
         generate_ar(model, [], 5)
     with pytest.raises(ValueError, match="n_streams=0"):
         generate_speculative(random_model(n_streams=0), [1], 5, tree)
+    for gen in (lambda: generate_ar(model, [1, 2], 5, temperature=-0.5),
+                lambda: generate_speculative(model, [1, 2], 5, tree, temperature=-0.5)):
+        with pytest.raises(ValueError, match="temperature=-0.5"):
+            gen()
+
+
+@pytest.mark.parametrize("spec", ["2,1,1", "n8"])
+def test_a_prompt_longer_than_block_size_is_one_prefill(spec):
+    """A prompt longer than block_size keeps its last block_size // 2 tokens (with a warning), as the
+    sliding window would: one prefill pass, no rebuild right after it (a prompt cut to block_size
+    tokens would fill the cache at once), and greedy speculative decoding is greedy AR decoding."""
+    model = random_model(seed=3, std=0.4)
+    T = model.config.block_size
+    prompt = torch.randint(0, 11, (T + 19,), generator=torch.Generator().manual_seed(0)).tolist()
+    with pytest.warns(UserWarning, match="longer than block_size"):
+        ar, sa = generate_ar(model, prompt, 6)
+    with pytest.warns(UserWarning, match="longer than block_size"):
+        ss, sb = generate_speculative(model, prompt, 6, make_tree(spec, 3))
+    assert ss == ar == generate_ar(model, prompt[-(T // 2):], 6)[0]
+    assert sa.passes == 1 + len(sa.accepted) == 6  # the prefill, then one pass per token after the first
+    assert sb.passes == 1 + len(sb.nodes) and len(sb.nodes) == len(sb.accepted)
 
 
 def test_stops_at_end_of_text():
@@ -379,6 +500,7 @@ def test_stops_at_end_of_text():
 
 @pytest.mark.parametrize("spec", ["3,2,1", "n16"])
 def test_tree_pruning(spec):
+    from ss_mini.extras.pruning import pruned_step
     model = random_model(seed=5, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():
         model.prune_adapter.up.weight.normal_(0, 0.3)  # an untrained adapter would be the identity
@@ -387,37 +509,42 @@ def test_tree_pruning(spec):
         prompt = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         ar, _ = generate_ar(model, prompt, 50)
         plain, s0 = generate_speculative(model, prompt, 50, tree)
-        zero, sz = generate_speculative(model, prompt, 50, tree, prune_threshold=1e-12)  # nothing is pruned
+        zero, sz = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1e-12))  # nothing is pruned
         assert zero == plain == ar and sz.accepted == s0.accepted and sz.nodes == s0.nodes
         for thr in (0.05, 0.2, 0.5):  # greedy identity whatever is pruned
-            out, st = generate_speculative(model, prompt, 50, tree, prune_threshold=thr)
+            out, st = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, thr))
             assert out == ar
             assert sum(st.nodes) <= sum(s0.nodes)
-        high, sh = generate_speculative(model, prompt, 50, tree, prune_threshold=1.01)  # only the root survives
+        high, sh = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1.01))  # only the root survives
         assert high == ar and set(sh.nodes) == {1} and set(sh.accepted) == {1}
-    with pytest.raises(ValueError, match="pruning adapter"):
-        generate_speculative(random_model(), [1], 5, tree, prune_threshold=0.1)
+    with pytest.raises(ValueError, match="pruning adapter.*prune_adapter_rank"):
+        pruned_step(random_model(), 0.1)
+    with pytest.raises(ValueError, match="greedy only"):
+        pruned_step(model, 0.1, temperature=0.8)
+    with pytest.raises(ValueError, match="one prompt"):  # raised by the first step
+        generate_speculative(model, [[1], [2]], 5, tree, step=pruned_step(model, 0.1))
 
 
 def test_pruning_keeps_the_cache_consistent():
     """After a pruned pass the cache still equals a fresh prefill of the accepted text."""
-    from ss_mini.generate import _prefill
-    from ss_mini.extras.pruning import pruned_pass
+    from ss_mini.extras.pruning import pruned_forward
+    from ss_mini.step import Draft
     from ss_mini.tree import TreeShape
     model = random_model(seed=6, std=0.4, prune_adapter_rank=4)
     with torch.no_grad():
         model.prune_adapter.up.weight.normal_(0, 0.3)
     ctx = [1, 2, 3, 4]
     tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
-    cache, _, _ = _prefill(model, [ctx], tree.draft_depth, tree.max_len)
+    cache, _, _ = prefill(model, [ctx], tree.draft_depth, tree.max_len)
     # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the template
     paths = tree.paths(tree.draft_depth, tree.width)
     sel = torch.tensor([[paths.index(p) for p in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]]])
     shape = TreeShape(tree.template, sel, tree.draft_depth, tree.max_len, tree.width)
-    assert shape.host().parents == [-1, 0, 0, 1, 1, 2, 3] and shape.host().ranks == [0, 0, 1, 0, 1, 0, 0]
+    assert host_shape(shape).parents == [-1, 0, 0, 1, 1, 2, 3] and host_shape(shape).ranks == [0, 0, 1, 0, 1, 0, 0]
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0]])
-    tokens_k, shape_k, main, drafts = pruned_pass(model, tokens, shape, tree, cache, 0.09)
-    kept = shape_k.host()
+    kept_draft, main, drafts = pruned_forward(model, cache, Draft(tokens, shape, None, None, None), tree, 0.09)
+    tokens_k, shape_k = kept_draft.tokens, kept_draft.shape
+    kept = host_shape(shape_k)
     assert 1 < kept.n_nodes < 7, kept.n_nodes  # this seed prunes some nodes, not all
     assert tokens_k.shape == (1, kept.n_nodes) and main.shape[1] == drafts.shape[1] == kept.n_nodes
     leaf = kept.n_nodes - 1
@@ -430,7 +557,7 @@ def test_pruning_keeps_the_cache_consistent():
     torch.testing.assert_close(main[0, leaf], ref[0, -1], rtol=0, atol=1e-10)
     torch.testing.assert_close(drafts[0, leaf], ref_streams[0, -1], rtol=0, atol=1e-10)  # the next drafts too
     cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
-    fresh, _, _ = _prefill(model, [seq], tree.draft_depth, tree.max_len)
+    fresh, _, _ = prefill(model, [seq], tree.draft_depth, tree.max_len)
     assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
     torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(seq)], torch.stack(fresh.kv)[:, :, :len(seq)], rtol=0, atol=1e-10)
 
@@ -439,11 +566,9 @@ def test_pruning_keeps_the_cache_consistent():
 def test_products_are_those_of_a_tree_pass(drafter):
     """measure.products runs the Linear layers of a decoding step on the rows it carries, in its
     order: those of a speculative step over an n-node tree (n main rows below the multi-stream
-    layers, n (1 + g) in them, then the LM head: once over all rows of a small pass, else on the
-    main rows and then on all stream rows; Medusa's heads on the main rows) and of an
-    autoregressive step."""
-    from ss_mini.generate import _prefill, ar_step, ar_window, speculative_step
-    from ss_mini.extras.kernels import HEAD_ROWS
+    layers, n (1 + g) in them, then the LM head once over all rows, whatever the pass's size;
+    Medusa's heads on the main rows) and of an autoregressive step."""
+    from ss_mini.step import ar_window
     from ss_mini.lab.measure import products
     kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
     model = random_model(**kw).float()
@@ -454,17 +579,16 @@ def test_products_are_those_of_a_tree_pass(drafter):
     with torch.no_grad():
         for n in (1, 4, 16):
             tree = BudgetTree(n, model.config.n_drafts).bind(model.config, "cpu", torch.float32)
-            cache, _, draft_logits = _prefill(model, [[1, 2, 3]], tree.draft_depth, tree.max_len)
+            cache, _, draft_logits = prefill(model, [[1, 2, 3]], tree.draft_depth, tree.max_len)
             seen.clear()
-            speculative_step(model, cache, root, draft_logits, tree, sampler, torch.tensor([20]))
+            speculative_step(model, cache, root, draft_logits, tree, sampler)
             step, seen[:] = list(seen), []
             products(model, n, tree.draft_depth)()
             assert seen == step, n
-            if drafter == "streams":  # both forms of the head: one call (n = 1, 4), two calls (n = 16)
-                g = tree.draft_depth
-                heads = [rows for name, rows in step if name == "lm_head"]
-                assert heads == ([n * (1 + g)] if n * (1 + g) <= HEAD_ROWS else [n, n * g]), (n, heads)
-        cache, _, _ = _prefill(model, [[1, 2, 3]], 0, model.config.block_size)
+            # one LM head call per pass, over the main rows and every stream row (64 rows for n = 16)
+            heads = [rows for name, rows in step if name == "lm_head"]
+            assert heads == [n * (1 + model.streams_in_pass(tree.draft_depth))], (n, heads)
+        cache, _, _ = prefill(model, [[1, 2, 3]], 0, model.config.block_size)
         seen.clear()
         ar_step(model, cache, root, sampler, ar_window(cache))
         step, seen[:] = list(seen), []

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from conftest import random_model
 
+from ss_mini.extras.distill import stream_teacher
+from ss_mini.extras.kernels import PackedLinear, pack_linears
 from ss_mini.kvcache import KVCache
-from ss_mini.masks import attention_mask, attention_window, stream_mask, stream_rows_mask, tree_mask
-from ss_mini.extras.kernels import HEAD_ROWS, Linear
+from ss_mini.masks import attention_window, pass_mask, tree_mask
 from ss_mini.model import GPT, GPTConfig
 
 
@@ -100,12 +101,18 @@ def test_stream_sees_only_what_the_mask_allows():
     assert not torch.allclose(s[..., 1, :], base[..., 1, :]) and not torch.allclose(s[..., 2, :], base[..., 2, :])
 
 
+def _with_prefix(m, L):
+    """A pass's mask with the cached prefix (L columns, seen by every row) before its own keys."""
+    return torch.cat([torch.ones(m.shape[0], L, dtype=torch.bool), m], dim=1)
+
+
 def test_tree_mask_rule():
-    m = tree_mask([-1, 0, 0, 1, 3], prefix_len=2).int().tolist()
+    m = _with_prefix(tree_mask([-1, 0, 0, 1, 3]), 2).int().tolist()
     assert m == [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0],
                  [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 1, 1]]
     assert torch.equal(tree_mask(np.arange(6) - 1), torch.tril(torch.ones(6, 6, dtype=torch.bool)))
-    s = stream_mask(tree_mask([-1, 0]), 2).int().tolist()  # keys: 2 main, then streams (0,1) (0,2) (1,1) (1,2)
+    # the stream rows of pass_mask; keys: 2 main, then streams (0,1) (0,2) (1,1) (1,2)
+    s = pass_mask(tree_mask([-1, 0])[None], 2)[0, 2:].int().tolist()
     assert s == [[1, 0, 1, 0, 0, 0], [1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
     with pytest.raises(ValueError):
         tree_mask([0, -1])
@@ -130,13 +137,16 @@ def test_loss_matches_hand_computation():
 
 
 def test_streams_distilled_from_the_main_stream():
-    """stream_targets="main": stream j at t learns the main stream's distribution at t+j (soft
-    cross-entropy), the teacher gets no gradient from it, and 'streams' still reports the CE
-    against the data."""
+    """stream_targets="main" (with teacher=stream_teacher): stream j at t learns the main stream's
+    distribution at t+j (soft cross-entropy), the teacher gets no gradient from it, and 'streams'
+    still reports the CE against the data. Without a teacher the loss is the data's (Eq. 5)."""
     model = random_model(std=0.3, stream_targets="main")
     idx, tgt = torch.randint(0, 11, (2, 7)), torch.randint(0, 11, (2, 7))
-    main, streams, losses = model(idx, tgt)
+    main, streams, losses = model(idx, tgt, teacher=stream_teacher)
     data = random_model(std=0.3)(idx, tgt)[2]  # the same weights (same seed), trained on the data
+    no_teacher = model(idx, tgt)[2]
+    for key in ("loss", "main"):
+        torch.testing.assert_close(no_teacher[key], data[key], rtol=0, atol=0)
     total = losses["main"]
     for j in range(1, 4):
         torch.testing.assert_close(losses["streams"][j - 1], data["streams"][j - 1])
@@ -149,7 +159,7 @@ def test_streams_distilled_from_the_main_stream():
         loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
-    ours = grads(model(idx, tgt)[2]["loss"])
+    ours = grads(model(idx, tgt, teacher=stream_teacher)[2]["loss"])
     main, streams, _ = model(idx)
     hand = losses["main"].new_zeros(())
     for j in range(1, 4):
@@ -172,7 +182,7 @@ def test_streams_learn_the_main_streams_greedy_continuation(stride):
     torch.manual_seed(5)
     offset = int(torch.randint(stride, ())) if stride > 1 else 0
     torch.manual_seed(5)
-    main, streams, losses = model(idx, tgt)
+    main, streams, losses = model(idx, tgt, teacher=stream_teacher)
     where = list(range(offset, 9, stride))
     total = losses["main"]
     for j in range(1, 4):
@@ -188,9 +198,10 @@ def test_streams_learn_the_main_streams_greedy_continuation(stride):
         total = total + 0.1 * torch.stack(ce, 1).mean()
     torch.testing.assert_close(losses["loss"], total)
     assert not torch.allclose(losses["loss"], random_model(std=0.3, stream_stride=stride, stream_targets="main")
-                              .train()(idx, tgt)[2]["loss"])  # and it is not what teacher forcing gives
+                              .train()(idx, tgt, teacher=stream_teacher)[2]["loss"])  # and it is not what teacher forcing gives
     plain = random_model(std=0.3, n_streams=0, stream_targets="greedy")  # no drafter: nothing to teach
-    torch.testing.assert_close(plain(idx, tgt)[2]["loss"], F.cross_entropy(plain(idx)[0].reshape(-1, 11), tgt.reshape(-1)))
+    torch.testing.assert_close(plain(idx, tgt, teacher=stream_teacher)[2]["loss"],
+                               F.cross_entropy(plain(idx)[0].reshape(-1, 11), tgt.reshape(-1)))
 
 
 @pytest.mark.parametrize("targets", ["data", "main"])
@@ -207,7 +218,7 @@ def test_stream_stride_trains_the_same_streams_on_fewer_positions(targets):
     torch.manual_seed(5)
     offset = int(torch.randint(3, ()))
     torch.manual_seed(5)
-    main, streams, losses = model(idx, tgt)
+    main, streams, losses = model(idx, tgt, teacher=stream_teacher)
     where = list(range(offset, 10, 3))
     torch.testing.assert_close(main, full_main)
     torch.testing.assert_close(streams, full_streams[:, where])
@@ -235,7 +246,7 @@ def test_streams_without_a_target_add_nothing(stride, targets):
         model = random_model(std=0.3, stream_stride=stride, stream_targets=targets, **drafter).train()
         for T in (1, 2, 3):
             idx = torch.randint(0, 11, (2, T))
-            _, _, losses = model(idx, idx)
+            _, _, losses = model(idx, idx, teacher=stream_teacher)
             losses["loss"].backward()
             assert torch.isfinite(losses["loss"]) and all(torch.isfinite(p.grad).all() for p in model.parameters())
             assert [x.item() for x in losses["streams"][T - 1:]] == [0.0] * (4 - T)  # stream j >= T has no target
@@ -250,7 +261,8 @@ def test_padded_targets_train_no_stream(targets):
     idx, tgt = torch.randint(0, 11, (2, 9)), torch.randint(0, 11, (2, 9))
     padded = tgt.clone()
     padded[:, 6:] = -1
-    torch.testing.assert_close(model(idx, padded)[2]["loss"], model(idx[:, :6], tgt[:, :6])[2]["loss"])
+    torch.testing.assert_close(model(idx, padded, teacher=stream_teacher)[2]["loss"],
+                               model(idx[:, :6], tgt[:, :6], teacher=stream_teacher)[2]["loss"])
 
 
 def test_param_report():
@@ -268,7 +280,7 @@ def _pass_mask(cache, parents, n_streams):
     """A pass's mask over all the cache's slots: its nodes (parent pointers) see the cached prefix,
     their ancestors and themselves, and n_streams streams of every node (masks.py)."""
     anc = tree_mask(parents)[None]  # (1, n, n): u's ancestors and u itself
-    window = attention_window(stream_rows_mask(anc, n_streams), SLOTS, torch.float64)
+    window = attention_window(pass_mask(anc, n_streams), SLOTS, torch.float64)
     return cache.mask(window)
 
 
@@ -282,26 +294,68 @@ def _prefill(model, tokens):
     return cache, main, draft_logits
 
 
-def _one_and_two_head_calls(monkeypatch, run):
-    """run() twice: with the main and stream rows in one LM head call (a small pass, kernels.HEAD_ROWS)
-    and with them in two calls (main rows, then stream rows) as a large pass makes them."""
-    import ss_mini.model
-    one = run()
-    monkeypatch.setattr(ss_mini.model, "HEAD_ROWS", 0)
-    two = run()
-    monkeypatch.undo()
-    return one, two
+def _head_calls(model, run):
+    """run()'s result and the rows of each LM head call it made."""
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, x, y: rows.append(x[0].numel() // x[0].shape[-1]))
+    try:
+        return run(), rows
+    finally:
+        hook.remove()
 
 
-def test_attention_mask_joins_main_and_stream_rows():
-    parents = [-1, 0, 0, 1]
-    full = attention_mask(parents, 2, prefix_len=3)  # rows: 4 main, 8 streams; keys: 3 + 4 + 8
-    main, streams = tree_mask(parents, 3), stream_mask(tree_mask(parents, 3), 2)
-    assert torch.equal(full[:4, :7], main) and not full[:4, 7:].any()  # the main stream never sees a stream
-    assert torch.equal(full[4:], streams)
-    additive = attention_mask(parents, 2, prefix_len=3, dtype=torch.float32)
-    assert torch.equal(additive == 0, full) and torch.isinf(additive[~full]).all()
-    assert torch.equal(attention_mask(parents, 2, stream_idx=[]), tree_mask(parents))
+def eq2_reference(parents, n_streams, streams_of, L):
+    """Paper Eq. 1-2 written out, one (query, key) pair at a time. Rows and keys: the main nodes,
+    then stream (u, j) for u in streams_of and j = 1..n_streams; the keys start with the L cached
+    prefix tokens. Main node u sees the prefix, its ancestors and itself, never a stream (Eq. 1);
+    stream (u, j) sees what u sees and the streams (u, i), i <= j (Eq. 2)."""
+    def ancestors_or_self(u):
+        out = {u}
+        while parents[u] >= 0:
+            u = parents[u]
+            out.add(u)
+        return out
+
+    rows = [(None, u) for u in range(len(parents))] + [(j, u) for u in streams_of for j in range(1, n_streams + 1)]
+    m = torch.zeros(len(rows), L + len(rows), dtype=torch.bool)
+    for r, (j, u) in enumerate(rows):
+        m[r, :L] = True  # the cached prefix
+        for c, (i, v) in enumerate(rows):
+            if i is None:  # a main key: u's ancestors and u itself, for u's main row and its streams alike
+                m[r, L + c] = v in ancestors_or_self(u)
+            else:  # a stream key: only u's own streams i <= j, and only from a stream row
+                m[r, L + c] = j is not None and v == u and i <= j
+    return m
+
+
+def test_pass_mask_is_eq2():
+    """pass_mask (rows [main nodes; stream rows], keys the same, per batch row) against the rule
+    written out (`eq2_reference`): random trees, streams on every node or on some, a prefix of L
+    cached tokens in front; the main stream never sees a stream; the additive form that a pass
+    reads over the cache's slots (attention_window) is the same mask, -inf past the pass."""
+    gen = torch.Generator().manual_seed(0)
+    for n, g, m in ((1, 1, None), (4, 2, None), (7, 3, None), (7, 3, 3), (9, 2, 1), (5, 3, 0)):
+        B, L, S = 3, 3, 64
+        parents = [[-1] + [int(torch.randint(0, u, (1,), generator=gen)) for u in range(1, n)] for _ in range(B)]
+        anc = torch.stack([tree_mask(p) for p in parents])
+        idx = None if m is None else torch.stack([torch.randperm(n, generator=gen)[:m].sort().values for _ in range(B)])
+        local = pass_mask(anc, g, idx)
+        R = n + (n if m is None else m) * g
+        assert local.shape == (B, R, R)
+        window = attention_window(local, S, torch.float32)
+        for b in range(B):
+            streams_of = list(range(n)) if idx is None else idx[b].tolist()
+            want = eq2_reference(parents[b], g, streams_of, L)
+            got = _with_prefix(local[b], L)
+            assert torch.equal(got, want), (n, g, m, b)
+            assert torch.equal(got[:n, :L + n], _with_prefix(tree_mask(parents[b]), L))  # main rows: tree_mask
+            assert not got[:n, L + n:].any()  # the main stream never sees a stream
+            cut = window[b, 0, :, S - L:2 * S - L]  # a row holding L tokens (KVCache.mask)
+            assert torch.equal(cut[:, :L + R] == 0, want) and torch.isinf(cut[:, :L + R][~want]).all()
+            assert torch.isinf(cut[:, L + R:]).all() and (cut[:, L + R:] < 0).all()
+    # without streams, or with none of the nodes carrying any: the tree's mask
+    assert torch.equal(pass_mask(anc, 0), anc)
+    assert torch.equal(pass_mask(anc, 2, torch.zeros(B, 0, dtype=torch.long)), anc)
 
 
 def test_a_cache_refuses_autograd():
@@ -312,7 +366,7 @@ def test_a_cache_refuses_autograd():
 
 
 @torch.no_grad()  # a KV cache is for decoding: it keeps no autograd history
-def test_incremental_decoding_equals_full_forward(monkeypatch):
+def test_incremental_decoding_equals_full_forward():
     model = random_model(std=0.3)
     tokens = torch.randint(0, 11, (20,)).tolist()
     full_main, full_streams, _ = model(torch.tensor([tokens]))
@@ -321,15 +375,13 @@ def test_incremental_decoding_equals_full_forward(monkeypatch):
     torch.testing.assert_close(streams, full_streams[:, :5], rtol=0, atol=1e-10)
     for t in range(5, 20):
         mask = _pass_mask(cache, [-1], model.config.n_streams)  # one node: the prefix, itself, its streams
-        # the pass's draft logits from the main row's LM head call (a one-node pass is small), and from
-        # a head call of their own, as a large pass makes it: the same values
-        (m, d), (m2, d2) = _one_and_two_head_calls(
-            monkeypatch, lambda: model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), mask, cache=cache))
+        # the main row's logits and its draft logits from one LM head call over all the pass's rows
+        (m, d), heads = _head_calls(
+            model, lambda: model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), mask, cache=cache))
+        assert heads == [1 + model.config.n_streams]
         cache.advance(torch.tensor([1]))
         torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
         torch.testing.assert_close(d[0, 0], full_streams[0, t], rtol=0, atol=1e-10)
-        torch.testing.assert_close(m2, m, rtol=0, atol=1e-10)
-        torch.testing.assert_close(d2, d, rtol=0, atol=1e-10)
     assert cache.length.tolist() == [20]
 
 
@@ -351,13 +403,14 @@ def test_a_pass_runs_the_first_streams_only():
 
 
 @torch.no_grad()
-def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch):
+def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
+    """Passes of 7 nodes (28 rows) and of 12 (48 rows): every node's logits are those of a plain
+    forward over its path, whatever the pass's size, from one LM head call over all its rows."""
     model = random_model(std=0.3)
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, 11, (6,), generator=gen).tolist()
     cache, _, _ = _prefill(model, ctx)
-    for step in range(4):  # several steps: each leaves the cache equal to a fresh prefill
-        n = 7
+    for n in (7, 12, 7, 12):  # several steps: each leaves the cache equal to a fresh prefill
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
         depths = [0] * n
         for i in range(1, n):
@@ -365,13 +418,10 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill(monkeypatch
         tokens = torch.randint(0, 11, (n,), generator=gen).tolist()
         L = cache.length
         mask = _pass_mask(cache, parents, model.config.n_streams)
-        assert n * (1 + model.config.n_streams) <= HEAD_ROWS  # small: all draft logits in one head call
-        # ... and the same logits when main and stream rows go through the head separately (a large pass)
-        (main, streams), (main2, streams2) = _one_and_two_head_calls(
-            monkeypatch, lambda: model.forward_nodes(torch.tensor([tokens]), torch.tensor([depths]) + L[:, None], mask,
-                                                     cache=cache))
-        torch.testing.assert_close(main2, main, rtol=0, atol=1e-10)
-        torch.testing.assert_close(streams2, streams, rtol=0, atol=1e-10)
+        (main, streams), heads = _head_calls(
+            model, lambda: model.forward_nodes(torch.tensor([tokens]), torch.tensor([depths]) + L[:, None], mask,
+                                               cache=cache))
+        assert heads == [n * (1 + model.config.n_streams)]  # main and stream rows: one LM head call
         for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
             path, v = [], u
             while v >= 0:
@@ -401,6 +451,16 @@ def test_config_errors():
         GPTConfig(n_layer=2, n_msa_layers=3)
     with pytest.raises(ValueError, match="block_size"):
         GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_msa_layers=1, n_embd=8, n_head=2))(torch.zeros(1, 9, dtype=torch.long))
+    # the extensions are subclasses, which build_model picks from the config; GPT itself refuses them
+    from ss_mini import build_model
+    from ss_mini.extras.medusa import MedusaGPT
+    from ss_mini.extras.pruning import PruningGPT
+    small = dict(block_size=8, vocab_size=5, n_layer=2, n_msa_layers=1, n_embd=8, n_head=2)
+    for extra, cls in ((dict(n_streams=0, n_medusa_heads=2), MedusaGPT), (dict(prune_adapter_rank=2), PruningGPT)):
+        with pytest.raises(ValueError, match="build_model"):
+            GPT(GPTConfig(**small, **extra))
+        assert type(build_model(GPTConfig(**small, **extra))) is cls
+    assert type(build_model(GPTConfig(**small))) is GPT
 
 
 def test_medusa_heads_draft_from_the_last_hidden_state():
@@ -426,11 +486,11 @@ def test_medusa_heads_draft_from_the_last_hidden_state():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_with_a_packed_weight_is_the_same_product(bias):
-    """Linear's packed weight (kernels.py) gives F.linear's values for every row count and batch
+    """PackedLinear's packed weight (kernels.py) gives F.linear's values for every row count and batch
     shape, on either side of the thresholds, and is packed again when the weight changes."""
     torch.manual_seed(0)
     for d_in, d_out in ((256, 1024), (64, 64)):  # 2^18 entries (packed when decoding) and a small weight
-        layer = Linear(d_in, d_out, bias=bias)
+        layer = PackedLinear(d_in, d_out, bias=bias)
         for step in range(2):
             for shape in ((1, 1), (1, 2), (1, 4), (2, 3), (1, 64), (1, 65), (3, 40)):
                 x = torch.randn(*shape, d_in)
@@ -446,12 +506,12 @@ def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
     """Packing runs only where torch has both MKL ops it calls; the packed copy of a big weight
     is freed when the model goes to training or to another device or dtype."""
     from types import SimpleNamespace
-    from ss_mini import kernels
+    from ss_mini.extras import kernels
     assert not kernels.mkl_packing(SimpleNamespace(_mkl_linear=None))  # the reorder op missing
     assert kernels.mkl_packing(SimpleNamespace(_mkl_linear=None, _mkl_reorder_linear_weight=None)) == kernels.MKL
     if not kernels.MKL:
         pytest.skip("this torch has no MKL packing")
-    model = torch.nn.Sequential(Linear(256, 1024)).eval()
+    model = torch.nn.Sequential(PackedLinear(256, 1024)).eval()
     for leave in (lambda: model.train(), lambda: model.to(torch.float64)):
         with torch.inference_mode():
             model(torch.randn(4, 256))
@@ -459,3 +519,19 @@ def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
         leave()
         assert model[0]._pack is None
         model.float().eval()
+
+
+def test_pack_linears_keeps_the_values():
+    """pack_linears turns every nn.Linear (LM head, Medusa heads included) into PackedLinear in
+    place, with the same weights and outputs; build_model packs."""
+    for drafter in (dict(n_streams=3), dict(n_streams=0, n_medusa_heads=2)):
+        model = random_model(std=0.3, dtype=torch.float32, **drafter)
+        assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+        plain = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 8)).eval()
+        x = torch.randn(3, 256)
+        with torch.inference_mode():
+            want = plain(x)
+            weight = plain[0].weight
+            assert pack_linears(plain) is plain and plain[0].weight is weight
+            assert [type(m) for m in plain] == [PackedLinear, PackedLinear]
+            torch.testing.assert_close(plain(x), want, rtol=1e-5, atol=1e-5)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import random_model
 
+from ss_mini.lab.shapes import host_shape
 from ss_mini.extras.distill import greedy_continuation
 from ss_mini.generate import generate_speculative
 from ss_mini.sampling import Sampler
@@ -78,7 +79,7 @@ def test_vectorised_verify_is_the_reference_rule(tree, kw):
         sampler.gen.set_state(state)  # the same uniforms, in the order verify draws them
         u = torch.rand((n, t.width), generator=sampler.gen, dtype=p.dtype)
         race_u = torch.empty_like(p).uniform_(generator=sampler.gen)
-        ref = verify_reference(p, draft_probs[0], ranked[0], shape.host(), u, race_u)
+        ref = verify_reference(p, draft_probs[0], ranked[0], host_shape(shape), u, race_u)
         assert ys[0].tolist() == ref.tolist(), (seed, ys.tolist(), ref.tolist())
 
 
@@ -153,3 +154,33 @@ def test_what_a_tree_keeps_is_bounded_in_bytes():
             assert first == bound <= 20_000, (t, first, bound)
         else:  # a Cartesian tree's one shape, made once for a batch of 3 rows and reused
             assert t.shape(torch.randn(3, 3, config.vocab_size, generator=gen), max_depth=torch.tensor([3, 2, 1])) is shape
+
+
+def test_the_race_never_takes_log_zero(monkeypatch):
+    """torch.rand can return exactly 0. The race's key log(U) / w must stay finite for a token of
+    weight w > 0 (log 0 = -inf would tie it with the tokens of weight 0, and argmax would pick
+    the first of them: a token of probability 0); tokens of weight 0 get -inf."""
+    from ss_mini.sampling import _race
+    weights = torch.tensor([[0.0, 0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        w = weights.to(dtype)
+        keys = _race(w, torch.zeros_like(w))
+        assert torch.isfinite(keys[w > 0]).all() and (keys[w == 0] == -torch.inf).all()
+        assert keys.argmax(-1).tolist() == [2, 3]  # U = 0 for all: the largest weight wins
+        u = torch.tensor([[0.5, 0.5, 0.0, 0.5, 0.5], [0.1, 0.9, 0.5, 0.0, 0.3]], dtype=dtype)
+        keys = _race(w, u)
+        assert torch.isfinite(keys[w > 0]).all() and keys.argmax(-1).tolist() == [4, 3]
+    # through the Sampler: every uniform it draws is 0, and the only token of nonzero probability
+    # (top_k=1) is still the one picked, drafted first and emitted where a draft is rejected
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, dtype=None, **kw:
+                        torch.zeros(*shape, device=device, dtype=dtype or torch.float32))
+    sampler = Sampler(1.0, 1, None, 0, "cpu")
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [4.0, 0.0, 1.0, 5.0]])
+    assert sampler.pick(logits).tolist() == [2, 3]
+    ranked, probs = sampler.draft(logits[None], 2)
+    assert ranked[0, :, 0].tolist() == [2, 3]
+    shape = type("Shape", (), dict(cand_row=torch.zeros(2, dtype=torch.long), tries=torch.ones(2, 1), max_children=1))()
+    other = torch.tensor([[4.0, 0.0, 0.0, 0.0]])  # q: the draft always proposes token 0, which p never emits
+    _, q = Sampler(1.0, 1, None, 0, "cpu").draft(other, 1)
+    ys = sampler.verify(logits, q, torch.zeros(1, 1, dtype=torch.long), shape)
+    assert ys.tolist() == [2, 3]

@@ -22,7 +22,7 @@ def stream_teacher(model, idx, main_logits, where):
     """The soft target of stream j at positions t, as a function teacher(j, t) -> (B, len(t), V),
     or None for the data's tokens. where: the positions that carry streams (None = all)."""
     kind = model.config.stream_targets
-    if kind == "data":
+    if kind == "data" or not model.config.n_drafts:  # no drafter: nothing to teach
         return None
     if kind == "main":
         return lambda j, t: torch.softmax(main_logits[:, t + j].detach().float(), dim=-1)
