@@ -237,7 +237,7 @@ def test_bench_plot_without_matplotlib_is_one_line_error(monkeypatch, tmp_path):
 
 def test_bench_plot_draws_the_tree_search(tmp_path):
     pytest.importorskip("matplotlib")
-    from ss_mini import plot
+    from ss_mini.lab import plot
     with pytest.raises(UsageError, match="--tree=auto or --sweep"):
         plot.check(str(tmp_path / "s.png"), searched=False)
     with pytest.raises(UsageError, match="does not exist"):

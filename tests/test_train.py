@@ -114,7 +114,7 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    from ss_mini import checkpoint
+    from ss_mini.io import checkpoint
     path = tmp_path / "ckpt.pt"
     checkpoint.save_checkpoint({"model": {}, "model_args": {}, "v": 1}, str(path))
 
@@ -242,7 +242,17 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
 
 
-def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
+@pytest.fixture
+def lab_modules_at_the_package_root(monkeypatch):
+    """conftest.fake_tree_search imports tree_choice and measure from ss_mini, where they lived
+    before ss_mini/lab/: they answer there too, until conftest imports them from ss_mini.lab."""
+    import ss_mini
+    from ss_mini.lab import measure, tree_choice
+    monkeypatch.setattr(ss_mini, "tree_choice", tree_choice, raising=False)
+    monkeypatch.setattr(ss_mini, "measure", measure, raising=False)
+
+
+def test_tree_search_takes_turns_on_each_prompt(monkeypatch, lab_modules_at_the_package_root):
     """bench's tree search runs the autoregressive decoder and every candidate on one prompt
     before the next prompt starts (so a burst of load spreads over the candidates), ranks every
     tree against that one baseline and returns the fastest."""

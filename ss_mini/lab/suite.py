@@ -13,7 +13,7 @@ from .report import shell_quote
 from ..tree import make_tree
 from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: prompts/ lives there
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # prompts/ lives there
 SUITE = (  # the README's results table: (checkpoint: 0 = code, 1 = prose; prompts, "" = held-out; temperature)
     (0, "", 0.0), (0, "", 0.8), (0, "prompts/code_unseen.jsonl", 0.0),
     (1, "", 0.0), (1, "", 0.8), (1, "prompts/prose_unseen.jsonl", 0.0))
