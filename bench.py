@@ -54,8 +54,8 @@ from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, 
 
 config = dict(
     out_dir="out",
-    # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} (the first few
-    # calibrate)
+    # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} whose first
+    # few calibrate
     prompts="",
     num_prompts=12,
     prompt_tokens=64,  # length of a validation snippet
@@ -73,9 +73,8 @@ config = dict(
     # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
     batch_sweep=False,
     batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each
-    # --batch_sweep: 1, 2, 4, ..., 32, and on while plain decoding still gains 10%, up to this (a
-    # size B decodes 4 B prompts per run: the sweep stays within minutes; raise it where more
-    # rows gain)
+    # --batch_sweep: 1, 2, 4, ..., 32, then on while plain decoding still gains 10%, up to this
+    # (size B decodes 4 B prompts a run, which keeps the sweep within minutes)
     max_batch_size=256,
     # new tokens per calibration prompt in the tree search (at most max_new_tokens)
     calibration_tokens=256,
@@ -290,7 +289,7 @@ def step_costs(cfg, device, dtype, log):
         "autoregressive steps, plus 1:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in floors.items()))
     ratios = list(costs.values())
-    # beyond 3% of timing noise
+    # a step 3% cheaper than one over fewer nodes is beyond the timing's noise
     if min(ratios) < 0.97 or any(b < 0.97 * a for a, b in zip(ratios, ratios[1:])):
         print("warning: a step over more nodes costs less than one over fewer (or than the "
               "autoregressive step): the baseline is slower than the tree pass, its kernels are "

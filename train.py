@@ -379,7 +379,7 @@ class Trainer:
         losses = self.estimate_loss()
         val = losses["val"][0]
         # a checkpoint is kept when what this run trains gets better: in lossless mode only the
-        # drafter learns and the main stream's loss cannot move, so there it is the streams' mean
+        # drafter learns and the main stream's loss cannot move, so the streams' mean loss counts
         score = sum(losses["val"][1:]) / len(losses["val"][1:]) if self.cfg["freeze_base"] else val
         streams = " ".join(f"s{j + 1} {v:.3f}" for j, v in enumerate(losses["val"][1:]))
         self.run.log(f"step {self.iter_num}: train {losses['train'][0]:.4f}, val {val:.4f} (main "
@@ -454,7 +454,7 @@ class Trainer:
                 self.iter_num += 1
                 t1 = time.time()
                 dt, t0 = t1 - t0, t1
-                # the first iterations include warm-up (and compilation): the average starts after
+                # the first iterations include warm-up and compilation: the average starts later
                 warm = dt_avg is None or self.iter_num <= self.start_iter + 2
                 dt_avg = dt if warm else 0.9 * dt_avg + 0.1 * dt
                 if self.iter_num % cfg["log_interval"] == 0:

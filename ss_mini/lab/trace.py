@@ -102,9 +102,9 @@ def record(step, decode):
     nodes = []
     for u in range(drafted.n_nodes):
         p = drafted.parents[u]
-        # rejected: the main stream emitted another token at its parent. A child of the path that
-        # carries the token emitted there and was not accepted lies past the block's end (a fixed
-        # shape keeps such nodes; a pass never accepts them): the pass could not reach it
+        # rejected: the main stream emitted another token at its parent; unreached: a child of the
+        # path that carries the token emitted there and was not accepted lies past the block's
+        # end (a fixed shape keeps such nodes, a pass never accepts them)
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
                   else "rejected" if p in on_path and tokens[u] != emitted[p] else "unreached")
         nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u],
