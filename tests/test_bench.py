@@ -199,6 +199,40 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
     assert plain.stdout == ex["prompt"] + ex["greedy"]["continuation"] + "\n---------------\n"
 
 
+def test_the_tree_search_picks_plain_decoding_where_no_tree_pays(monkeypatch):
+    # 1,1 takes 12 passes of 3 ms where plain decoding takes 24 of 1 ms
+    best, rows, _ = fake_tree_search(monkeypatch, {"none": (1, 1.0), "1,1": (2, 3.0)})
+    assert best == "none" and [(spec, n) for spec, n, _ in rows] == [("none", 0), ("1,1", 3)]
+
+
+def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch, capsys):
+    """A row whose tree search picks plain decoding (the tree `none`) is measured and reported
+    like the others: tree none, speedup 1.00x, in the JSON and in the Markdown."""
+    from ss_mini.lab import suite
+    real = suite.choose_tree
+
+    def search(model, calibration, cfg, kw, log):  # the sampled rows' search can only pick none
+        candidates = "none" if cfg["temperature"] else "1,1"
+        return real(model, calibration, dict(cfg, candidates=candidates), kw, log)
+
+    monkeypatch.setattr(suite, "choose_tree", search)
+    doc = bench.main(["--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=2",
+                      "--max_new_tokens=8", "--prompt_tokens=16", "--calibration_tokens=8",
+                      "--repeats=2"])
+    rows = doc["rows"]
+    assert [(row["decoding"], row["tree"]) for row in rows] == [
+        ("greedy", "1,1"), ("T = 0.8", "none"), ("greedy", "1,1")] * 2
+    for row in rows[1::3]:
+        assert row["tree_nodes"] == 0 and row["speedups"] == [1.0, 1.0] and row["speedup"] == 1.0
+    assert doc["worked_example"]["sampled"]["tree"] == "none"
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| python")]
+    assert len(table) == 6
+    for line in table[1::3]:
+        assert "| T = 0.8 |" in line and "| none |" in line and "**1.00×** (1.00–1.00)" in line
+    assert "Tree none: no tree beat plain decoding on the calibration prompts" in out
+
+
 def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     """--batch_sweep: one row per batch size, each with its own tree search (the tree none among
     the candidates) and --repeats measured runs, plain decoding at every size after the first

@@ -65,6 +65,9 @@ def table_markdown(doc):
             "12-grams that occurred earlier in it; tree: the one the tree search picked on "
             "calibration prompts kept apart from the reported ones; tokens/s, τ and CR are the "
             "median run's (definitions: `ss_mini/lab/measure.py`)."]
+    if any(r["tree"] == "none" for r in rows):
+        out.append("Tree none: no tree beat plain decoding on the calibration prompts, so the row "
+                   "decodes plainly (speedup 1.00×: the same runs in both columns).")
     if any(r["repeat_rate"] > 0.5 for r in rows):
         out.append("† More than half of the output repeats itself: most of this speedup is "
                    "drafting repeated text.")

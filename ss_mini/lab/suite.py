@@ -8,10 +8,10 @@ import torch
 
 from ..io.checkpoint import load_model
 from ..io.cli import UsageError
-from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_pair, summarize,
-                      unreliable)
+from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_interleaved, run_pair,
+                      speculative, summarize, unreliable)
 from .report import shell_quote
-from ..tree import make_tree
+from ..tree import make_tree, tree_spec
 from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 
 # the repository, where prompts/ lives
@@ -62,10 +62,10 @@ def suite(cfg, defaults, sample_defaults, device, dtype, progress):
     for k in range(cfg["repeats"]):
         progress(f"suite: run {k + 1}/{cfg['repeats']} of every row")
         for w, row_runs in zip(work, runs):
-            row_runs.append(run_pair(w["model"], w["prompts"], w["tree"], w["kw"]))
+            row_runs.append(run_row(w))
     for row, w, row_runs in zip(rows, work, runs):
-        row.update(over_runs([summarize(*run) for run in row_runs]), tree=str(w["tree"]),
-                   tree_nodes=len(w["tree"]))
+        row.update(over_runs([summarize(*run) for run in row_runs]), tree=tree_spec(w["tree"]),
+                   tree_nodes=len(w["tree"]) if w["tree"] else 0)
         if row["efficiency"] > 1:
             unreliable(f"{row['command']}: efficiency {row['efficiency']:.2f} > 1 (a speculative "
                        "pass cannot cost less than a plain one)")
@@ -77,6 +77,16 @@ def suite(cfg, defaults, sample_defaults, device, dtype, progress):
                              for d, (_, _, ckpt) in zip(dirs, loaded)],
                 rows=rows, worked_example=worked_example(work[0], work[1], runs[0], runs[1],
                                                          sample_defaults))
+
+
+def run_row(w):
+    """One run of a row: (plain, speculative) results, interleaved on every prompt. A row whose
+    search picked plain decoding (the tree none) runs it once for both columns, since timing it
+    twice would only measure noise."""
+    if w["tree"] is None:
+        plain = run_interleaved(w["prompts"], [speculative(w["model"], None, w["kw"])])[0]
+        return [plain, plain]
+    return run_pair(w["model"], w["prompts"], w["tree"], w["kw"])
 
 
 def load_checkpoints(cfg, dirs, device, dtype):
@@ -132,7 +142,7 @@ def worked_example(greedy, sampled, greedy_runs, sampled_runs, sample_defaults):
     for name, w, runs in (("greedy", greedy, greedy_runs), ("sampled", sampled, sampled_runs)):
         tokens, stats = runs[0][1][i]
         speedups = [prompt_speedups(*run)[i] for run in runs]
-        example[name] = dict(temperature=w["cfg"]["temperature"], tree=str(w["tree"]),
+        example[name] = dict(temperature=w["cfg"]["temperature"], tree=tree_spec(w["tree"]),
                              tau=stats.mean_accepted, speedup=statistics.median_low(speedups),
                              speedup_range=[min(speedups), max(speedups)],
                              repeat_rate=repeat_rate([tokens]),
