@@ -370,18 +370,31 @@ def load_drafter(cfg, device, dtype):
 
 
 def bench_prompts(cfg, ckpt, tok):
-    """(prompts, calibration prompts) as bench decodes them: one by one, or in queues of
-    --batch_size rows (`batched`)."""
+    """(prompts, calibration prompts, how many prompts were given) as bench decodes them: one
+    by one, or in queues of --batch_size rows (`batched`)."""
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     B = cfg["batch_size"]
     if B > 1 and cfg["prune_threshold"]:
         raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
-    return batched(prompts, B), calibration_batches(calibration, B)
+    return batched(prompts, B), calibration_batches(calibration, B), len(prompts)
 
 
-def log_setup(cfg, model, ckpt, prompts, calibration, device, dtype, log):
-    """The report's lines on the model, the machine and the corpus (and on prompts too few to
-    keep calibration apart)."""
+def batch_note(cfg, given, queues):
+    """The report's line on what a batch decodes: the queues of `batched`, filled with copies
+    of the given prompts where these are too few."""
+    B, n, size = cfg["batch_size"], n_prompts(queues), max(len(q) for q in queues)
+    where = "held-out" if not cfg["prompts"] else cfg["prompts"]
+    if n > given:
+        return (f"decoding {n} prompts, not {given}: at --batch_size={B} the {given} {where} "
+                f"prompts are cycled to fill {len(queues)} queues of {size} ({size // B} waves of "
+                f"{B} rows each), each copy keeping a different number of its last tokens")
+    return (f"decoding {n} {where} prompts in {len(queues)} queues of {size}, {B} rows at once, "
+            "each keeping a different number of its last tokens")
+
+
+def log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log):
+    """The report's lines on the model, the machine, the prompts of a batch and the corpus (and
+    on prompts too few to keep calibration apart)."""
     if calibration[0] in prompts and searched(cfg):
         log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree "
             "is tuned on the prompts it is measured on (give more prompts, or --tree)")
@@ -390,6 +403,8 @@ def log_setup(cfg, model, ckpt, prompts, calibration, device, dtype, log):
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
         f"{device} {dtype}, {threads()}" + (f"; {B} prompts at once" if B > 1 else ""))
+    if B > 1:
+        log(batch_note(cfg, given, prompts))
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
 
 
@@ -499,12 +514,12 @@ def bench(cfg, device, dtype, progress):
     both decoders, interleaved on every prompt. Returns the JSON result and the report, whose
     first line is the answer."""
     model, tok, ckpt = load_drafter(cfg, device, dtype)
-    prompts, calibration = bench_prompts(cfg, ckpt, tok)
+    prompts, calibration, given = bench_prompts(cfg, ckpt, tok)
     B = cfg["batch_size"]
     details = []
     log = details.append
     kw = decode_kwargs(cfg, tok)
-    log_setup(cfg, model, ckpt, prompts, calibration, device, dtype, log)
+    log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
     progress("bench: tree search" if searched(cfg) else "bench: warm-up")
     tree = choose_tree(model, calibration, cfg, kw, log)
     if searched(cfg) and calibration[0] not in prompts:

@@ -270,6 +270,25 @@ def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
 
 
+def bench_a_batch(tiny_ckpt, capsys):
+    """bench.py --batch_size=2 on 3 prompts: (its result, its report's lines)."""
+    result = bench.main([f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3",
+                         "--max_new_tokens=8", "--prompt_tokens=16", "--tree=1,1", "--repeats=1"])
+    return result, capsys.readouterr().out.splitlines()
+
+
+def test_bench_says_how_many_prompts_a_batch_decodes_and_why(tiny_ckpt, capsys):
+    """Too few prompts to fill the queues of a batch are cycled, and the report says so."""
+    result, report = bench_a_batch(tiny_ckpt, capsys)
+    assert result["prompts"] == 8
+    assert ("decoding 8 prompts, not 3: at --batch_size=2 the 3 held-out prompts are cycled to "
+            "fill 2 queues of 4 (2 waves of 2 rows each)") in "\n".join(report)
+    from ss_mini.lab.tree_choice import batched
+    prompts = [[1, 2, 3, 4]] * 40
+    assert bench.batch_note(dict(bench.config, batch_size=2), 40, batched(prompts, 2)).startswith(
+        "decoding 40 held-out prompts in 2 queues of 20, 2 rows at once")
+
+
 def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
     """The sweep's candidates at the next batch size: all of them while every run at this size
     paid more than the margin; after a run within it (or the tree `none`, 1.0), only `none`."""
