@@ -450,13 +450,14 @@ def log_table(cfg, r, runs, tree, kw, n, log):
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
+    log(f"  {'latency (s)':24} {r['ar_latency_s']:15.3f} {r['ss_latency_s']:12.3f}")
     log(f"  speedup {r['speedup']:.2f}x | tau (tokens per pass: accepted drafts + 1) "
         f"{r['mean_accepted']:.2f} | call-reduction {r['call_reduction']:.2f} | efficiency "
         f"{r['efficiency']:.2f}")
     if B > 1:
         log(f"  tokens/s while all {B} rows decode; over each queue's whole decode, its drain "
             f"included (the last rows finishing one by one): speedup {r['drained_speedup']:.2f}x "
-            "(measure.py)")
+            "(measure.py); latency: the mean time until a prompt's output is complete")
     log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
         f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
     if r["efficiency"] > 1 and tree is not None:

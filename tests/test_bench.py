@@ -289,6 +289,16 @@ def test_bench_says_how_many_prompts_a_batch_decodes_and_why(tiny_ckpt, capsys):
         "decoding 40 held-out prompts in 2 queues of 20, 2 rows at once")
 
 
+def test_bench_reports_the_latency_of_a_batch(tiny_ckpt, capsys):
+    """At --batch_size=B the report gives the mean time to a full output of both decoders, as
+    --batch_sweep does."""
+    result, report = bench_a_batch(tiny_ckpt, capsys)
+    line = next(line for line in report if line.strip().startswith("latency (s)"))
+    assert line.split()[-2:] == [f"{result['ar_latency_s']:.3f}", f"{result['ss_latency_s']:.3f}"]
+    assert any("latency: the mean time until a prompt's output is complete" in line
+               for line in report)
+
+
 def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():
     """The sweep's candidates at the next batch size: all of them while every run at this size
     paid more than the margin; after a run within it (or the tree `none`, 1.0), only `none`."""
