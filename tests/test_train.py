@@ -121,6 +121,18 @@ def test_a_mistyped_flag_is_offered_the_closest_one():
         assert str(e.value) == f"unknown option {typo.split('=')[0]}; {hint}"
 
 
+def test_float64_on_mps_is_a_one_line_error():
+    """MPS has no float64: --dtype=float64 there is refused before any work, saying what to
+    pass (a device string is enough: no MPS is needed)."""
+    from ss_mini.io.cli import UsageError, pick_dtype
+    for device in ("mps", "mps:0"):
+        with pytest.raises(UsageError) as e:
+            pick_dtype("float64", device)
+        assert str(e.value) == ("--dtype=float64: MPS has no float64; give --dtype=float32 (or "
+                                "bfloat16 or float16)")
+    assert pick_dtype("float64", "cpu") == "float64" and pick_dtype("auto", "mps") == "float32"
+
+
 def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

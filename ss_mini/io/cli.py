@@ -114,7 +114,8 @@ def pick_device(name):
 
 
 def pick_dtype(name, device):
-    """'auto' = bf16 on CUDA where supported (else fp16), fp32 on CPU and MPS."""
+    """'auto' = bf16 on CUDA where supported (else fp16), fp32 on CPU and MPS; float64 is refused
+    on MPS, which has none."""
     if name == "auto":
         if device.startswith("cuda"):
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
@@ -122,4 +123,7 @@ def pick_dtype(name, device):
     if name not in ("float32", "bfloat16", "float16", "float64"):
         raise UsageError(f"unknown --dtype={name}; choose auto, float32, bfloat16, float16 or "
                          "float64")
+    if name == "float64" and device.split(":")[0] == "mps":
+        raise UsageError("--dtype=float64: MPS has no float64; give --dtype=float32 (or bfloat16 "
+                         "or float16)")
     return name
