@@ -198,13 +198,14 @@ def report(cfg, stats, tree, trace, prompt, outs):
     batch = f"{n} samples as one batch: " if n > 1 else ""
     kind = "speculative, tree " + str(tree) if cfg["speculative"] else "autoregressive"
     print(f"[{kind}] {batch}{stats.new_tokens} new tokens, {stats.tokens_per_s:.0f} tokens/s, "
-          f"{stats.passes} forward passes, {stats.mean_accepted:.2f} tokens per pass",
-          file=sys.stderr)
+          f"{stats.passes} forward passes (the prefill and any window rebuilds included), "
+          f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
     if trace:
         trace.finish(prompt, outs[0])
         trace.save(cfg["trace"])
-        print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above "
-              "include recording it)", file=sys.stderr)
+        print(f"trace of {len(trace.passes)} decode passes (the prefill and window rebuilds are "
+              f"not traced) written to {cfg['trace']} (the tokens/s above include recording it)",
+              file=sys.stderr)
 
 
 def main(argv=None):

@@ -236,9 +236,15 @@ def test_sample_trace_writes_the_page(tiny_ckpt, tmp_path, capsys):
     page = path.read_text()
     data = json.loads(re.search(r"const DATA = (.*?);\n", page).group(1))
     assert data["prompt"] == "def " and len(data["output"]) == 30 and data["passes"]
-    first_sample = capsys.readouterr().out.split("\n---------------\n")[0]
+    captured = capsys.readouterr()
+    first_sample = captured.out.split("\n---------------\n")[0]
     assert first_sample == "def " + "".join(c["text"] for c in data["chunks"])
     assert os.listdir(tmp_path) == ["trace.html"]
+    # the statistics count every forward pass, the trace only the decode passes: both say so
+    assert re.search(r", \d+ forward passes \(the prefill and any window rebuilds included\), ",
+                     captured.err)
+    assert (f"trace of {len(data['passes'])} decode passes (the prefill and window rebuilds are "
+            "not traced) written to") in captured.err
 
 
 def test_bench_plot_without_matplotlib_is_one_line_error(monkeypatch, tmp_path):
