@@ -3,6 +3,8 @@ the passes used, the page is self-contained; bench.py --plot fails early without
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 from html.parser import HTMLParser
 
@@ -268,3 +270,19 @@ def test_bench_plot_draws_the_tree_search(tmp_path):
     path.write_bytes(b"old")
     plot.tree_search(rows, "n8", str(path), "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["s.png"]
+
+
+def test_what_trace_and_plot_write_beside_the_scripts_stays_out_of_git():
+    """trace.html and --plot's figures written at the top level are ignored; docs/ figures are
+    not."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "--no-index", "-q", path],
+                              cwd=root).returncode == 0
+
+    for path in ("trace.html", "search.png", "sweep.png", "search.svg", "search.pdf"):
+        assert ignored(path), path
+    assert not ignored("docs/trace.png") and not ignored("docs/sweep.png")
