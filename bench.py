@@ -1,22 +1,22 @@
 """Measure Speculative Streaming against KV-cached autoregressive decoding, in one process.
 
     python bench.py                        # default checkpoint (out/), held-out prompts, greedy
-    python bench.py --temperature=0.8      # sampling: the realistic number (greedy is the exactness check)
-    python bench.py --suite                # every row of the README's results table, and a worked example
+    python bench.py --temperature=0.8      # sampling: the realistic number (greedy: exactness)
+    python bench.py --suite                # every row of the README's results table, an example
     python bench.py --tree=3,2,1           # the paper's Cartesian tree; --tree=n16 a 16-node budget
-    python bench.py --tree=auto            # pick the tree on calibration prompts first (the default)
-    python bench.py --repeats=5            # one tree search, then 5 measurement runs: median and range
+    python bench.py --tree=auto            # pick the tree on calibration prompts first (default)
+    python bench.py --repeats=5            # one tree search, then 5 measurement runs: median, range
     python bench.py --sweep                # tokens/s over tree shapes and budgets, best marked
     python bench.py --profile              # where a speculative step spends its time
     python bench.py --train_steps=10       # also ms/iter of training with and without streams
-    python bench.py --json                 # one JSON document on stdout (the report goes to stderr)
-    python bench.py --pass_cost            # what one speculative step costs, in autoregressive steps
+    python bench.py --json                 # one JSON document on stdout (the report on stderr)
+    python bench.py --pass_cost            # one speculative step's cost, in autoregressive steps
     python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
     python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")
     python bench.py --batch_size=8         # 8 prompts decoded at once (rows of different lengths)
     python bench.py --batch_sweep          # batch sizes 1..32+: where speculation stops paying
-    python bench.py --threads=1            # one CPU thread: steadier figures where a second core is shared
+    python bench.py --threads=1            # one CPU thread: steadier where a second core is shared
 
 The report's first line is the answer: the median speedup over --repeats runs with its
 range, the tree and the decoding mode; the details follow. The metrics (tokens/s, passes,
@@ -38,21 +38,25 @@ import torch
 from ss_mini.lab import plot
 from ss_mini.lab.batch_sweep import batch_sweep
 from ss_mini.io.checkpoint import load_model, training_data
-from ss_mini.io.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
+from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
+                            pick_dtype, warn_unused)
 from ss_mini.io.data import describe_fingerprint, load_split
 from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.lab.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate, run_interleaved, run_pair,
-                             speculative, step_bytes, summarize, synchronize, threads, unreliable)
+from ss_mini.lab.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate,
+                                 run_interleaved, run_pair, speculative, step_bytes, summarize,
+                                 synchronize, threads, unreliable)
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.suite import suite
 from ss_mini.tree import make_tree, tree_spec
-from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts, pick_prompts,
-                                 validation_prompts)
+from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs,
+                                     n_prompts, pick_prompts, validation_prompts)
 
 config = dict(
     out_dir="out",
-    prompts="",  # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} (the first few calibrate)
+    # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} whose first
+    # few calibrate
+    prompts="",
     num_prompts=12,
     prompt_tokens=64,  # length of a validation snippet
     max_new_tokens=256,
@@ -60,42 +64,62 @@ config = dict(
     top_k=0,
     top_p=1.0,
     seed=1337,
-    tree="auto",  # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or auto
-    candidates="none;1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",  # trees auto and sweep try
-    batch_size=1,  # prompts decoded at once, as one batch (rows drawn from the prompts, of different lengths)
-    batch_sweep=False,  # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
-    batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each batch size
-    max_batch_size=256,  # --batch_sweep: 1, 2, 4, ..., 32, and on while plain decoding still gains 10%, up to this
-    # (a size B decodes 4 B prompts per run: the sweep stays within minutes; raise it where more rows gain)
-    calibration_tokens=256,  # new tokens per calibration prompt in the tree search (at most max_new_tokens)
-    tie_margin=0.02,  # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
+    # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or auto
+    tree="auto",
+    # the trees auto and sweep try
+    candidates="none;1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",
+    # prompts decoded at once, as one batch (rows drawn from the prompts, of different lengths)
+    batch_size=1,
+    # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
+    batch_sweep=False,
+    batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each
+    # --batch_sweep: 1, 2, 4, ..., 32, then on while plain decoding still gains 10%, up to this
+    # (size B decodes 4 B prompts a run, which keeps the sweep within minutes)
+    max_batch_size=256,
+    # new tokens per calibration prompt in the tree search (at most max_new_tokens)
+    calibration_tokens=256,
+    # the search takes the fewest nodes (then the highest tau) within this fraction of the fastest
     # (and, in a batch, of the busiest of those: tree_choice.tree_search)
-    repeats=3,  # measurement runs after one tree search (each batch size of --batch_sweep): the median speedup and its range
-    suite=False,  # every row of the README's results table and a worked example, as Markdown (or --json)
+    tie_margin=0.02,
+    # measurement runs after one tree search (each batch size of --batch_sweep): the median
+    # speedup and its range
+    repeats=3,
+    # every row of the README's results table and a worked example, as Markdown (or --json)
+    suite=False,
     suite_dirs="out,out-shakespeare",  # CODE_DIR,PROSE_DIR: the two checkpoints --suite measures
     sweep=False,
     profile=False,
     train_steps=0,  # > 0: also time this many training steps with and without streams
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
+    # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
+    dtype="auto",
     threads=0,  # torch CPU threads; 0 = torch's default
     json=False,
-    prune_threshold=0.0,  # > 0: also run with parallel tree pruning (a model with a pruning adapter)
-    compare="",  # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
-    pass_cost=False,  # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
-    shape="",  # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2, block 1024)
-    compile=False,  # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
+    # > 0: also run with parallel tree pruning (a model with a pruning adapter)
+    prune_threshold=0.0,
+    # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
+    compare="",
+    # the cost of one speculative step over n = 1, 4, 8, 16 nodes, in autoregressive steps
+    pass_cost=False,
+    # N_LAYER,N_HEAD,N_EMBD,VOCAB: --pass_cost on a random model of this shape (gamma=3, Ns=2,
+    # block 1024)
+    shape="",
+    # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
+    compile=False,
     plot="",  # FILE.png: the tree search's speedup and tau against tree nodes (needs matplotlib)
 )
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
              temperature=at_least(0.0), top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
              train_steps=at_least(0), threads=at_least(0), prune_threshold=in_range(0.0, 1.0),
-             calibration_tokens=at_least(1), tie_margin=in_range(0.0, 1.0, hi_open=True), repeats=at_least(1),
-             batch_size=at_least(1), max_batch_size=at_least(1),
-             prompts=(lambda v: not v or os.path.isfile(v), "a JSON-lines file that exists (or empty)"),
-             suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")), "two folders, CODE_DIR,PROSE_DIR"))
-NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost", "compile",
-                  "prune_threshold", "train_steps", "batch_size", "batch_sweep")  # --suite sets these per row
+             calibration_tokens=at_least(1), tie_margin=in_range(0.0, 1.0, hi_open=True),
+             repeats=at_least(1), batch_size=at_least(1), max_batch_size=at_least(1),
+             prompts=(lambda v: not v or os.path.isfile(v),
+                      "a JSON-lines file that exists (or empty)"),
+             suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")),
+                         "two folders, CODE_DIR,PROSE_DIR"))
+NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost",
+                  "compile", "prune_threshold", "train_steps", "batch_size",
+                  "batch_sweep")  # --suite sets these per row
 
 
 def train_bench(ckpt, device, steps, log):
@@ -106,11 +130,13 @@ def train_bench(ckpt, device, steps, log):
     for name in ("drafter", "plain"):
         config = model_config(ckpt["model_args"])
         if name == "plain":  # a new config, so that GPTConfig checks it
-            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0, prune_adapter_rank=0)
+            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0,
+                                         prune_adapter_rank=0)
         torch.manual_seed(0)
         model = GPT(config).to(device)
         opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
-        x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size), device=device)
+        x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size),
+                          device=device)
         times = []
         for i in range(steps + 2):
             t0 = time.perf_counter()
@@ -121,8 +147,9 @@ def train_bench(ckpt, device, steps, log):
             synchronize(device)
             times.append(time.perf_counter() - t0)
         res[name] = 1000 * statistics.median(times[2:])
-    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} ms/iter with the "
-        f"drafter, {res['plain']:.0f} ms/iter without ({res['drafter'] / res['plain']:.2f}x)")
+    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} "
+        f"ms/iter with the drafter, {res['plain']:.0f} ms/iter without "
+        f"({res['drafter'] / res['plain']:.2f}x)")
     return {"train_ms_per_iter_streams": res["drafter"], "train_ms_per_iter_plain": res["plain"]}
 
 
@@ -151,10 +178,12 @@ def compare(dirs, cfg, device, dtype, log):
     for d in dirs:
         model, tok, ckpt = load_model(d, device, dtype)
         if first is None:
-            first, (prompts, calibration) = (tok.meta(), ckpt["config"]["dataset"]), pick_prompts(cfg, ckpt, tok)
+            first = (tok.meta(), ckpt["config"]["dataset"])
+            prompts, calibration = pick_prompts(cfg, ckpt, tok)
             kw = decode_kwargs(cfg, tok)
         elif (tok.meta(), ckpt["config"]["dataset"]) != first:
-            raise UsageError(f"{d} was trained on other data than {dirs[0]}: compare models of one dataset")
+            raise UsageError(f"{d} was trained on other data than {dirs[0]}: compare models of "
+                             "one dataset")
         base, draft = model.param_counts()
         row = dict(model=d, drafter=describe(model.config), draft_params=draft, base_params=base,
                    val_loss=val_loss(model, ckpt))
@@ -164,19 +193,25 @@ def compare(dirs, cfg, device, dtype, log):
         else:
             generate_ar(model, calibration[0], **{**kw, "max_new_tokens": 32})  # warm-up
             outs = [generate_ar(model, p, **kw) for p in prompts]
-            row["ar_tokens_per_s"] = sum(s.new_tokens for _, s in outs) / sum(s.seconds for _, s in outs)
+            row["ar_tokens_per_s"] = (sum(s.new_tokens for _, s in outs)
+                                      / sum(s.seconds for _, s in outs))
             row["repeat_rate"] = repeat_rate([o for o, _ in outs])
         rows.append(row)
-    log(f"\n{len(prompts)} prompts x {kw['max_new_tokens']} new tokens, {first[1]} ({device} {dtype}):")
-    log(f"{'model':<22} {'drafter':<26} {'draft params':>12} {'val loss':>8} {'AR tok/s':>8} {'speedup':>8} "
-        f"{'repeats':>7} {'CR':>5} {'tau':>5} {'tree':>7} {'same':>5}")  # same: share of prompts whose outputs equal AR's
+    log_comparison(rows, len(prompts), kw["max_new_tokens"], first[1], device, dtype, log)
+    return rows
+
+
+def log_comparison(rows, n, max_new_tokens, dataset, device, dtype, log):
+    """compare's table; same: the share of prompts whose outputs equal autoregressive decoding's."""
+    log(f"\n{n} prompts x {max_new_tokens} new tokens, {dataset} ({device} {dtype}):")
+    log(f"{'model':<22} {'drafter':<26} {'draft params':>12} {'val loss':>8} {'AR tok/s':>8} "
+        f"{'speedup':>8} {'repeats':>7} {'CR':>5} {'tau':>5} {'tree':>7} {'same':>5}")
     for r in rows:
         spd = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-        extra = (f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>7} {r['match_rate']:5.0%}"
-                 if "speedup" in r else "")
+        extra = (f"{r['call_reduction']:5.2f} {r['mean_accepted']:5.2f} {r['tree']:>7} "
+                 f"{r['match_rate']:5.0%}" if "speedup" in r else "")
         log(f"{r['model']:<22} {r['drafter']:<26} {r['draft_params']:>12,} {r['val_loss']:8.4f} "
             f"{r['ar_tokens_per_s']:8.0f} {spd:>8} {r['repeat_rate']:7.0%} {extra}")
-    return rows
 
 
 def profile(model, prompts, tree, kw, log):
@@ -195,71 +230,95 @@ def profile(model, prompts, tree, kw, log):
         t = 0.0
         for (f, _, fn), (_, _, tt, ct, callers) in st.stats.items():
             if fn in names and "ss_mini" in f:
-                t += tt if own else ct - sum(c[3] for (_, _, caller), c in callers.items() if caller in names)
+                t += tt if own else ct - sum(c[3] for (_, _, caller), c in callers.items()
+                                             if caller in names)
         return t
-    parts = {"forward passes, prefill and window rebuilds included": seconds(("forward_nodes", "pruned_pass")),
-             "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
-             "masks (each row's window over the cache)": seconds(("mask",)),
-             "verify (the target's tokens)": seconds(("verify", "pick")),
-             "accept (cache compaction, lengths)": seconds(("accept", "advance")),
-             "the decoder's rows (their tokens, Python only)": seconds(("emit", "join", "_fill", "finish"), own=True)}
-    log(f"profile of {len(prompts)} speculative generations, {total:.2f} s in generate_speculative:")
+    parts = {
+        "forward passes, prefill and window rebuilds included":
+            seconds(("forward_nodes", "pruned_pass")),
+        "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
+        "masks (each row's window over the cache)": seconds(("mask",)),
+        "verify (the target's tokens)": seconds(("verify", "pick")),
+        "accept (cache compaction, lengths)": seconds(("accept", "advance")),
+        "the decoder's rows (their tokens, Python only)":
+            seconds(("emit", "join", "_fill", "finish"), own=True)}
+    log(f"profile of {len(prompts)} speculative generations, {total:.2f} s in "
+        "generate_speculative:")
     for label, t in parts.items():
         log(f"  {label:<52} {t:7.3f} s  {100 * t / total:5.1f}%")
+
+
+def cost_model(cfg, device, dtype):
+    """--pass_cost's model: (model, context of half the block (at most 256 tokens), its name),
+    the checkpoint's or a random model of --shape."""
+    if not cfg["shape"]:
+        model, tok, ckpt = load_model(cfg["out_dir"], device, dtype)
+        if model.config.n_drafts == 0:
+            raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with "
+                             "--n_streams=3")
+        context = validation_prompts(ckpt, tok, 1, min(model.config.block_size // 2, 256))[0]
+        return model, context, cfg["out_dir"]
+    try:
+        n_layer, n_head, n_embd, vocab = (int(v) for v in cfg["shape"].split(","))
+        config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab,
+                           block_size=1024, n_streams=3, n_msa_layers=min(2, n_layer))
+    except ValueError as e:
+        raise UsageError(f"--shape={cfg['shape']}: give N_LAYER,N_HEAD,N_EMBD,VOCAB, e.g. "
+                         f"12,12,768,50257 ({e})") from None
+    torch.manual_seed(0)
+    model = GPT(config).to(device=device, dtype=dtype).eval()
+    context = torch.randint(0, vocab, (min(config.block_size // 2, 256),)).tolist()
+    return model, context, f"random model {cfg['shape']}"
 
 
 def step_costs(cfg, device, dtype, log):
     """--pass_cost: one whole speculative step over budget trees of n nodes (n = 4 is the top-1
     chain for gamma = 3) against one autoregressive step, with a KV cache of half the block
     (at most 256 tokens), on the checkpoint or on a random model of --shape."""
-    if cfg["shape"]:
-        try:
-            n_layer, n_head, n_embd, vocab = (int(v) for v in cfg["shape"].split(","))
-            config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab, block_size=1024,
-                               n_streams=3, n_msa_layers=min(2, n_layer))
-        except ValueError as e:
-            raise UsageError(f"--shape={cfg['shape']}: give N_LAYER,N_HEAD,N_EMBD,VOCAB, e.g. 12,12,768,50257 ({e})") from None
-        torch.manual_seed(0)
-        model = GPT(config).to(device=device, dtype=dtype).eval()
-        context = torch.randint(0, vocab, (min(config.block_size // 2, 256),)).tolist()
-        name = f"random model {cfg['shape']}"
-    else:
-        model, tok, ckpt = load_model(cfg["out_dir"], device, dtype)
-        if model.config.n_drafts == 0:
-            raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
-        context = validation_prompts(ckpt, tok, 1, min(model.config.block_size // 2, 256))[0]
-        name = cfg["out_dir"]
+    model, context, name = cost_model(cfg, device, dtype)
     c = model.config
     B = cfg["batch_size"]
     costs, floors, ar_ms = pass_cost(model, context, batch_size=B)
-    log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, {device} "
-        f"{str(dtype)[6:]}, {threads()}; KV cache of {len(context)} tokens"
+    log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, "
+        f"{device} {str(dtype)[6:]}, {threads()}; KV cache of {len(context)} tokens"
         + (f"; a batch of {B} rows" if B > 1 else ""))
-    log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of n nodes, "
-        "in autoregressive steps:")
+    log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of "
+        "n nodes, in autoregressive steps:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
-    log("the floor under it: what the tree pass's extra matrix-product rows alone cost, in autoregressive steps, plus 1:")
+    log("the floor under it: what the tree pass's extra matrix-product rows alone cost, in "
+        "autoregressive steps, plus 1:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in floors.items()))
     ratios = list(costs.values())
-    if min(ratios) < 0.97 or any(b < 0.97 * a for a, b in zip(ratios, ratios[1:])):  # beyond 3% of timing noise
-        print("warning: a step over more nodes costs less than one over fewer (or than the autoregressive step): the "
-              "baseline is slower than the tree pass, its kernels are not comparable (see ss_mini/extras/kernels.py)",
-              file=sys.stderr, flush=True)
-    # the memory-bandwidth view: every step reads all weights and the KV cache once, whatever its node count
-    nbytes, roof = step_bytes(model, len(context), B), copy_bandwidth(device, dtype)
-    log(f"bandwidth: a step reads {nbytes / 1e6:.1f} MB (weights and KV cache); this machine copies at "
-        f"{roof / 1e9:.1f} GB/s; the autoregressive step runs at {nbytes / ar_ms / 1e6:.1f} GB/s, "
-        f"{100 * nbytes / ar_ms * 1e3 / roof:.0f}% of it; a step over n nodes, for the same bytes:")
-    log("  " + "  ".join(f"n={n}: {nbytes / (r * ar_ms) / 1e6:.1f} GB/s" for n, r in costs.items()))
-    result = {"pass_cost": {str(n): r for n, r in costs.items()}, "pass_cost_floor": {str(n): r for n, r in floors.items()},
-              "ar_ms_per_step": ar_ms, "cache_tokens": len(context), "step_bytes": nbytes,
-              "copy_bandwidth_gb_s": roof / 1e9, "ar_bandwidth_utilisation": nbytes / ar_ms * 1e3 / roof}
+    # a step 3% cheaper than one over fewer nodes is beyond the timing's noise
+    if min(ratios) < 0.97 or any(b < 0.97 * a for a, b in zip(ratios, ratios[1:])):
+        print("warning: a step over more nodes costs less than one over fewer (or than the "
+              "autoregressive step): the baseline is slower than the tree pass, its kernels are "
+              "not comparable (see ss_mini/extras/kernels.py)", file=sys.stderr, flush=True)
+    result = {"pass_cost": {str(n): r for n, r in costs.items()},
+              "pass_cost_floor": {str(n): r for n, r in floors.items()},
+              "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
+    result.update(bandwidth(model, len(context), B, device, dtype, costs, ar_ms, log))
     if cfg["compile"]:
         costs, _, ar_ms = pass_cost(compiled(model), context, batch_size=B)
-        log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in compiled autoregressive "
-            "steps:\n  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
-        result["compiled"] = {"pass_cost": {str(n): r for n, r in costs.items()}, "ar_ms_per_step": ar_ms}
+        log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in "
+            "compiled autoregressive steps:\n  "
+            + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
+        result["compiled"] = {"pass_cost": {str(n): r for n, r in costs.items()},
+                              "ar_ms_per_step": ar_ms}
     return result
+
+
+def bandwidth(model, cache_len, B, device, dtype, costs, ar_ms, log):
+    """--pass_cost's memory-bandwidth view: every step reads all weights and the KV cache once,
+    whatever its node count."""
+    nbytes, roof = step_bytes(model, cache_len, B), copy_bandwidth(device, dtype)
+    log(f"bandwidth: a step reads {nbytes / 1e6:.1f} MB (weights and KV cache); this machine "
+        f"copies at {roof / 1e9:.1f} GB/s; the autoregressive step runs at "
+        f"{nbytes / ar_ms / 1e6:.1f} GB/s, {100 * nbytes / ar_ms * 1e3 / roof:.0f}% of it; a "
+        "step over n nodes, for the same bytes:")
+    log("  " + "  ".join(f"n={n}: {nbytes / (r * ar_ms) / 1e6:.1f} GB/s" for n, r in costs.items()))
+    return {"step_bytes": nbytes, "copy_bandwidth_gb_s": roof / 1e9,
+            "ar_bandwidth_utilisation": nbytes / ar_ms * 1e3 / roof}
 
 
 def roofline(model, rows, device, dtype, ms_per_pass):
@@ -270,10 +329,12 @@ def roofline(model, rows, device, dtype, ms_per_pass):
     nbytes = step_bytes(model, model.config.block_size * 3 // 4, rows)
     roof = copy_bandwidth(device, getattr(torch, dtype))
     use = {name: nbytes / (ms / 1e3) / roof for name, ms in ms_per_pass.items()}
-    line = (f"  the roof: a step reads {nbytes / 1e6:.1f} MB and this machine copies {roof / 1e9:.1f} GB/s; "
-            + ", ".join(f"{name} steps run at {nbytes / (ms / 1e3) / 1e9:.2f} GB/s ({use[name]:.0%} of it)"
-                        for name, ms in ms_per_pass.items()))
-    return dict(step_bytes=nbytes, copy_bandwidth_gb_s=roof / 1e9, bandwidth_utilisation=use, line=line)
+    line = (f"  the roof: a step reads {nbytes / 1e6:.1f} MB and this machine copies "
+            f"{roof / 1e9:.1f} GB/s; "
+            + ", ".join(f"{name} steps run at {nbytes / (ms / 1e3) / 1e9:.2f} GB/s "
+                        f"({use[name]:.0%} of it)" for name, ms in ms_per_pass.items()))
+    return dict(step_bytes=nbytes, copy_bandwidth_gb_s=roof / 1e9, bandwidth_utilisation=use,
+                line=line)
 
 
 def tree_name(tree):
@@ -286,145 +347,249 @@ def mode_of(temperature):
 
 def repeats_note(rate):
     """What the report says when the speedup is mostly that of drafting loops."""
-    return (f"most of this speedup is drafting repeated text: {rate:.0%} of the output's 12-grams occurred earlier "
-            "in it" if rate > 0.5 else "")
+    return (f"most of this speedup is drafting repeated text: {rate:.0%} of the output's 12-grams "
+            "occurred earlier in it" if rate > 0.5 else "")
 
 
-def bench(cfg, device, dtype, progress):
-    """`python bench.py`: the tree (searched, or --tree), then --repeats measurement runs of
-    both decoders, interleaved on every prompt. Returns the JSON result and the report, whose
-    first line is the answer."""
+def searched(cfg):
+    """Whether bench searches the trees (--tree=auto, or --sweep)."""
+    return cfg["tree"] == "auto" or cfg["sweep"]
+
+
+def load_drafter(cfg, device, dtype):
+    """(model, tokenizer, checkpoint) of --out_dir, a model with a drafter; a --tree that does
+    not fit it is an error before any work."""
     model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     if model.config.n_drafts == 0:
-        raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with --n_streams=3")
+        raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with "
+                         "--n_streams=3")
     tree = make_tree(cfg["tree"], model.config.n_drafts) if cfg["tree"] != "auto" else None
-    if tree:  # a tree that does not fit the model is an error before any work
+    if tree:
         tree.bind(model.config, device, getattr(torch, dtype))
+    return model, tok, ckpt
+
+
+def bench_prompts(cfg, ckpt, tok):
+    """(prompts, calibration prompts, how many prompts were given) as bench decodes them: one
+    by one, or in queues of --batch_size rows (`batched`)."""
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     B = cfg["batch_size"]
     if B > 1 and cfg["prune_threshold"]:
         raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
-    prompts, calibration = batched(prompts, B), calibration_batches(calibration, B)
-    details = []
-    log = details.append
-    if calibration[0] in prompts and (cfg["tree"] == "auto" or cfg["sweep"]):
-        log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree is tuned on the "
-            "prompts it is measured on (give more prompts, or --tree)")
-    kw = decode_kwargs(cfg, tok)
+    return batched(prompts, B), calibration_batches(calibration, B), len(prompts)
+
+
+def batch_note(cfg, given, queues):
+    """The report's line on what a batch decodes: the queues of `batched`, filled with copies
+    of the given prompts where these are too few."""
+    B, n, size = cfg["batch_size"], n_prompts(queues), max(len(q) for q in queues)
+    where = "held-out" if not cfg["prompts"] else cfg["prompts"]
+    if n > given:
+        return (f"decoding {n} prompts, not {given}: at --batch_size={B} the {given} {where} "
+                f"prompts are cycled to fill {len(queues)} queues of {size} ({size // B} waves of "
+                f"{B} rows each), each copy keeping a different number of its last tokens")
+    return (f"decoding {n} {where} prompts in {len(queues)} queues of {size}, {B} rows at once, "
+            "each keeping a different number of its last tokens")
+
+
+def log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log):
+    """The report's lines on the model, the machine, the prompts of a batch and the corpus (and
+    on prompts too few to keep calibration apart)."""
+    if calibration[0] in prompts and searched(cfg):
+        log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree "
+            "is tuned on the prompts it is measured on (give more prompts, or --tree)")
     base, draft = model.param_counts()
+    B = cfg["batch_size"]
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
         f"{device} {dtype}, {threads()}" + (f"; {B} prompts at once" if B > 1 else ""))
+    if B > 1:
+        log(batch_note(cfg, given, prompts))
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
-    progress("bench: tree search" if cfg["tree"] == "auto" or cfg["sweep"] else "bench: warm-up")
-    tree = choose_tree(model, calibration, cfg, kw, log)
-    if (cfg["tree"] == "auto" or cfg["sweep"]) and calibration[0] not in prompts:
-        log("(the search ran on its own prompts, kept apart from those measured below: their speedups differ)")
-    if cfg["profile"]:
-        profile(model, prompts, tree, kw, log)
+
+
+def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
+    """--repeats runs of plain and speculative decoding (and both compiled, with --compile),
+    interleaved on every prompt; each run is a list of results per decoder."""
     decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
     if cfg["compile"]:
         fast, t0 = compiled(model), time.perf_counter()
-        run_pair(fast, calibration, tree, kw)  # compiles each kind of pass (prefill, one token, tree)
+        run_pair(fast, calibration, tree, kw)  # compiles each kind of pass: prefill, token, tree
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
         decoders += [lambda p: generate_ar(fast, p, **kw), speculative(fast, tree, kw)]
     runs = []
-    for i in range(cfg["repeats"]):  # eager (and compiled) decoders, interleaved on every prompt
+    for i in range(cfg["repeats"]):
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
         runs.append(run_interleaved(prompts, decoders))
-    r = over_runs([summarize(*run[:2]) for run in runs])
+    return runs
+
+
+def prompts_phrase(cfg, prompts):
+    """'12 held-out prompts' (or the --prompts file's), with ', B at once' for a batch."""
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
+    B = cfg["batch_size"]
+    return f"{n_prompts(prompts)} {where} prompts" + (f", {B} at once" if B > 1 else "")
+
+
+def answer_lines(cfg, r, runs, tree, kw, n):
+    """The report's first line (and the note on repeated text where it applies)."""
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
-    n = f"{n_prompts(prompts)} {where} prompts" + (f", {B} at once" if B > 1 else "")
-    answer = [f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, {mode_of(cfg['temperature'])}: "
-              f"{cfg['out_dir']}, {n} x {kw['max_new_tokens']} new tokens"] + \
-        [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5 and tree is not None)
+    return ([f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
+             f"{mode_of(cfg['temperature'])}: {cfg['out_dir']}, {n} x {kw['max_new_tokens']} new "
+             "tokens"]
+            + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5 and tree is not None))
+
+
+def log_table(cfg, r, runs, tree, kw, n, log):
+    """The median run's figures, plain against speculative decoding."""
+    B = cfg["batch_size"]
     log(f"\n{f'the median of {len(runs)} runs' if len(runs) > 1 else '1 run'} (speedups "
         f"{', '.join(f'{x:.2f}x' for x in r['speedups'])}), {n} x {kw['max_new_tokens']} new "
         f"tokens, {mode_of(cfg['temperature'])}, tree {tree_name(tree)}:")
     log(f"  {'':24} {'autoregressive':>15} {'speculative':>12}")
     log(f"  {'tokens/s':24} {r['ar_tokens_per_s']:15.1f} {r['ss_tokens_per_s']:12.1f}")
     log(f"  {'ms per forward pass':24} {r['ar_ms_per_pass']:15.2f} {r['ss_ms_per_pass']:12.2f}")
-    log(f"  speedup {r['speedup']:.2f}x | tau (tokens per pass: accepted drafts + 1) {r['mean_accepted']:.2f} | "
-        f"call-reduction {r['call_reduction']:.2f} | efficiency {r['efficiency']:.2f}")
+    log(f"  {'latency (s)':24} {r['ar_latency_s']:15.3f} {r['ss_latency_s']:12.3f}")
+    log(f"  speedup {r['speedup']:.2f}x | tau (tokens per pass: accepted drafts + 1) "
+        f"{r['mean_accepted']:.2f} | call-reduction {r['call_reduction']:.2f} | efficiency "
+        f"{r['efficiency']:.2f}")
     if B > 1:
-        log(f"  tokens/s while all {B} rows decode; over each queue's whole decode, its drain included (the last rows "
-            f"finishing one by one): speedup {r['drained_speedup']:.2f}x (measure.py)")
+        log(f"  tokens/s while all {B} rows decode; over each queue's whole decode, its drain "
+            f"included (the last rows finishing one by one): speedup {r['drained_speedup']:.2f}x "
+            "(measure.py); latency: the mean time until a prompt's output is complete")
     log(f"  accepted-length histogram: {r['accepted_histogram']} | the output repeats itself: "
         f"{r['repeat_rate']:.0%} of its 12-grams occurred earlier in it")
     if r["efficiency"] > 1 and tree is not None:
-        unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less than a plain one)")
+        unreliable(f"efficiency {r['efficiency']:.2f} > 1 (a speculative pass cannot cost less "
+                   "than a plain one)")
     if cfg["temperature"] == 0:
         div = r["first_divergence"]
-        log(f"  greedy outputs identical to plain decoding on {100 * r['match_rate']:.0f}% of prompts (in every run)"
-            if r["match_rate"] == 1 else f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the lowest run)"
-            + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
+        log(f"  greedy outputs identical to plain decoding on {100 * r['match_rate']:.0f}% of "
+            "prompts (in every run)" if r["match_rate"] == 1
+            else f"  greedy outputs identical on {100 * r['match_rate']:.0f}% of prompts (the "
+            "lowest run)" + (f"; first divergence: prompt {div[0]}, token {div[1]}" if div else ""))
+
+
+def compiled_report(model, run, cfg, device, dtype, log):
+    """The median run's compiled decoders against its eager ones: (their summary, the line for
+    the answer)."""
+    c = summarize(*run[2:])
+    c["roof"] = roofline(model, cfg["batch_size"], device, dtype,
+                         {"compiled plain": c["ar_ms_per_pass"],
+                          "compiled speculative": c["ss_ms_per_pass"]})
+    log(c["roof"].pop("line"))
+    m = summarize(*run[:2])
+    log(f"  with torch.compile (the median run): autoregressive {c['ar_tokens_per_s']:.1f} "
+        f"tokens/s ({c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x eager), speculative "
+        f"{c['ss_tokens_per_s']:.1f} ({c['ss_tokens_per_s'] / m['ss_tokens_per_s']:.2f}x eager): "
+        f"speedup {c['speedup']:.2f}x over compiled autoregressive, "
+        f"{c['ss_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x over eager"
+        + (f"; greedy outputs identical on {100 * c['match_rate']:.0f}% of prompts"
+           if cfg["temperature"] == 0 else ""))
+    line = (f"compiled (the median run): plain "
+            f"{c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x and speculative "
+            f"{c['ss_tokens_per_s'] / m['ss_tokens_per_s']:.2f}x their eager tokens/s, "
+            f"speculative {c['speedup']:.2f}x compiled plain")
+    return c, line
+
+
+def pruning_report(model, prompts, tree, kw, thr, log):
+    """Plain, speculative and pruned speculative decoding, interleaved (--prune_threshold)."""
+    g = model.config.n_streams
+    ar, ss, sp = run_interleaved(prompts, [
+        lambda p: generate_ar(model, p, **kw),
+        lambda p: generate_speculative(model, p, tree=tree, **kw),
+        lambda p: generate_speculative(model, p, tree=tree, **kw, prune_threshold=thr)])
+    u, p = summarize(ar, ss), summarize(ar, sp)
+    log(f"  parallel tree pruning at threshold {thr} (AR, SS and pruned SS interleaved):")
+    for name, x in (("without pruning", u), ("with pruning", p)):
+        log(f"    {name:<16} {x['mean_nodes'] * (1 + g):6.1f} tokens enter the MSA layers per "
+            f"pass, {x['ss_tokens_per_s']:7.1f} tokens/s, speedup {x['speedup']:.2f}x, tau "
+            f"{x['mean_accepted']:.2f}, identical {100 * x['match_rate']:.0f}%")
+    return {"threshold": thr, "unpruned": u, "pruned": p}
+
+
+def bench(cfg, device, dtype, progress):
+    """`python bench.py`: the tree (searched, or --tree), then --repeats measurement runs of
+    both decoders, interleaved on every prompt. Returns the JSON result and the report, whose
+    first line is the answer."""
+    model, tok, ckpt = load_drafter(cfg, device, dtype)
+    prompts, calibration, given = bench_prompts(cfg, ckpt, tok)
+    B = cfg["batch_size"]
+    details = []
+    log = details.append
+    kw = decode_kwargs(cfg, tok)
+    log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
+    progress("bench: tree search" if searched(cfg) else "bench: warm-up")
+    tree = choose_tree(model, calibration, cfg, kw, log)
+    if searched(cfg) and calibration[0] not in prompts:
+        log("(the search ran on its own prompts, kept apart from those measured below: their "
+            "speedups differ)")
+    if cfg["profile"]:
+        profile(model, prompts, tree, kw, log)
+    runs = measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress)
+    r = over_runs([summarize(*run[:2]) for run in runs])
+    n = prompts_phrase(cfg, prompts)
+    answer = answer_lines(cfg, r, runs, tree, kw, n)
+    log_table(cfg, r, runs, tree, kw, n, log)
+    base, draft = model.param_counts()
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
-    roof = roofline(model, B, device, dtype, {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})
+    roof = roofline(model, B, device, dtype,
+                    {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})
     log(roof.pop("line"))
     result = {}
     if cfg["compile"]:
-        c = summarize(*runs[r["median_run"]][2:])
-        c["roof"] = roofline(model, B, device, dtype, {"compiled plain": c["ar_ms_per_pass"],
-                                                       "compiled speculative": c["ss_ms_per_pass"]})
-        log(c["roof"].pop("line"))
-        m = summarize(*runs[r["median_run"]][:2])
-        log(f"  with torch.compile (the median run): autoregressive {c['ar_tokens_per_s']:.1f} tokens/s "
-            f"({c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x eager), speculative {c['ss_tokens_per_s']:.1f} "
-            f"({c['ss_tokens_per_s'] / m['ss_tokens_per_s']:.2f}x eager): speedup {c['speedup']:.2f}x over compiled "
-            f"autoregressive, {c['ss_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x over eager"
-            + (f"; greedy outputs identical on {100 * c['match_rate']:.0f}% of prompts" if cfg["temperature"] == 0 else ""))
-        answer.insert(1, f"compiled (the median run): plain {c['ar_tokens_per_s'] / m['ar_tokens_per_s']:.2f}x and "
-                         f"speculative {c['ss_tokens_per_s'] / m['ss_tokens_per_s']:.2f}x their eager tokens/s, "
-                         f"speculative {c['speedup']:.2f}x compiled plain")
-        result["compiled"] = c
+        result["compiled"], line = compiled_report(model, runs[r["median_run"]], cfg, device,
+                                                   dtype, log)
+        answer.insert(1, line)
     if cfg["prune_threshold"]:
-        g, thr = model.config.n_streams, cfg["prune_threshold"]
-        ar, ss, sp = run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
-                                               lambda p: generate_speculative(model, p, tree=tree, **kw),
-                                               lambda p: generate_speculative(model, p, tree=tree, **kw,
-                                                                              prune_threshold=thr)])
-        u, p = summarize(ar, ss), summarize(ar, sp)
-        log(f"  parallel tree pruning at threshold {thr} (AR, SS and pruned SS interleaved):")
-        for name, x in (("without pruning", u), ("with pruning", p)):
-            log(f"    {name:<16} {x['mean_nodes'] * (1 + g):6.1f} tokens enter the MSA layers per pass, "
-                f"{x['ss_tokens_per_s']:7.1f} tokens/s, speedup {x['speedup']:.2f}x, tau {x['mean_accepted']:.2f}, "
-                f"identical {100 * x['match_rate']:.0f}%")
-        result["pruning"] = {"threshold": thr, "unpruned": u, "pruned": p}
+        result["pruning"] = pruning_report(model, prompts, tree, kw, cfg["prune_threshold"], log)
     if cfg["train_steps"]:
         result.update(train_bench(ckpt, device, cfg["train_steps"], log))
-    result.update(r, roof=roof, tree=tree_spec(tree), tree_nodes=len(tree) if tree else 0, batch_size=B, draft_params=draft, base_params=base, device=device,
-                  dtype=dtype, threads=torch.get_num_threads(), prompts=n_prompts(prompts),
-                  max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"], corpus=ckpt.get("corpus"),
-                  machine=machine(device, dtype), report=answer[0])
+    result.update(r, roof=roof, tree=tree_spec(tree), tree_nodes=len(tree) if tree else 0,
+                  batch_size=B, draft_params=draft, base_params=base, device=device, dtype=dtype,
+                  threads=torch.get_num_threads(), prompts=n_prompts(prompts),
+                  max_new_tokens=kw["max_new_tokens"], temperature=cfg["temperature"],
+                  corpus=ckpt.get("corpus"), machine=machine(device, dtype), report=answer[0])
     return result, answer + details
 
 
-def main(argv=None):
-    cfg = parse_args(config, argv, __doc__, flags=("sweep", "profile", "json", "pass_cost", "suite", "batch_sweep"))
+def check_flags(cfg):
+    """What can be checked before any work: every value, --plot's needs, every tree's syntax and
+    what combines with --suite."""
     check(cfg, RULES)
-    if cfg["plot"]:  # matplotlib, the file and one tree search (or the batch sweep) to draw, before any work
-        searched = ((cfg["tree"] == "auto" or cfg["sweep"] or cfg["batch_sweep"])
-                    and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"]))
-        plot.check(cfg["plot"], searched)
-    for spec in [cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";") + cfg["batch_candidates"].split(";"):
-        make_tree(spec, 99)  # the syntax of every tree, before any work (depths are checked against the model later)
+    if cfg["plot"]:  # matplotlib, the file and one tree search (or the batch sweep) to draw
+        drawn = ((cfg["tree"] == "auto" or cfg["sweep"] or cfg["batch_sweep"])
+                 and not (cfg["compare"] or cfg["pass_cost"] or cfg["suite"]))
+        plot.check(cfg["plot"], drawn)
+    trees = ([cfg["tree"]] * (cfg["tree"] != "auto") + cfg["candidates"].split(";")
+             + cfg["batch_candidates"].split(";"))
+    for spec in trees:  # depths are checked against the model later
+        make_tree(spec, 99)
     if cfg["suite"]:
         clash = [k for k in NOT_WITH_SUITE if cfg[k] != config[k]]
         if clash:
-            raise UsageError(f"--{clash[0]} does not combine with --suite, which runs its own rows "
-                             "(--suite_dirs=CODE_DIR,PROSE_DIR picks the checkpoints)")
+            raise UsageError(f"--{clash[0]} does not combine with --suite, which runs its own "
+                             "rows (--suite_dirs=CODE_DIR,PROSE_DIR picks the checkpoints)")
     else:
         warn_unused(cfg, config, ("suite_dirs",), "without --suite")
+
+
+def main(argv=None):
+    flags = ("sweep", "profile", "json", "pass_cost", "suite", "batch_sweep")
+    cfg = parse_args(config, argv, __doc__, flags=flags)
+    check_flags(cfg)
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    out = sys.stderr if cfg["json"] else sys.stdout  # with --json, stdout holds only the JSON document
+    out = sys.stderr if cfg["json"] else sys.stdout  # with --json, stdout holds only the JSON
     log = lambda *a: print(*a, file=out, flush=True)
-    # what it is doing, for a person at a terminal; piped, stderr holds only warnings and (--json) the report
-    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else (lambda line: None)
+    # what it is doing, for a person at a terminal; piped, stderr holds only warnings and (--json)
+    # the report
+    progress = ((lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty()
+                else (lambda line: None))
     if cfg["pass_cost"]:
         result = step_costs(cfg, device, getattr(torch, dtype), log)
     elif cfg["compare"]:

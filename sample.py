@@ -1,11 +1,11 @@
 """Sample from a trained model, autoregressively or with Speculative Streaming.
 
     python sample.py                                  # plain KV-cached decoding, T = 0.8, top-k 200
-    python sample.py --speculative                    # one pass verifies a tree draft and drafts the next
-    python sample.py --speculative --temperature=0    # greedy: the same text as without --speculative
+    python sample.py --speculative                    # each pass verifies a draft, drafts the next
+    python sample.py --speculative --temperature=0    # greedy: the same text as plain decoding
     python sample.py --speculative --tree=n16 --start="def main():"
     python sample.py --start=FILE:prompt.txt --top_p=0.95
-    python sample.py --speculative --trace=trace.html # every pass's tree, verification and mask, as a page
+    python sample.py --speculative --trace=trace.html # each pass's tree, verification and mask
 
 The sampling defaults are nanoGPT's (temperature 0.8, top-k 200). Sampling with
 --speculative draws from the same distribution as plain decoding, not the same draws;
@@ -26,7 +26,8 @@ import warnings
 import torch
 
 from ss_mini.io.checkpoint import load_model
-from ss_mini.io.cli import UsageError, at_least, check, in_range, parse_args, pick_device, pick_dtype, warn_unused
+from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
+                            pick_dtype, warn_unused)
 from ss_mini.generate import compiled, generate_ar, generate_speculative
 from ss_mini.lab.trace import Trace, check_path
 from ss_mini.tree import make_tree
@@ -34,25 +35,34 @@ from ss_mini.tree import make_tree
 config = dict(
     out_dir="out",
     start="\n",  # the prompt, or FILE:path to read it from a file
-    num_samples=1,  # decoded as one batch (each sample is exact; one random generator for the batch)
+    # decoded as one batch (each sample is exact; one random generator for the batch)
+    num_samples=1,
     max_new_tokens=500,
-    temperature=0.8,  # 0 = greedy (the exactness check: the same text with and without --speculative)
+    # 0 = greedy (the exactness check: the same text with and without --speculative)
+    temperature=0.8,
     top_k=200,  # 0 = off
     top_p=1.0,  # 1.0 = off
     seed=1337,
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
+    # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
+    dtype="auto",
     speculative=False,
-    tree="chain",  # chain (top-1 at every depth), top-k per depth (the paper's Cartesian tree, e.g. 3,2,1), nN for N nodes
-    prune_threshold=0.0,  # > 0: parallel tree pruning (models trained with --prune_adapter_rank; greedy only)
+    # chain (top-1 at every depth), top-k per depth (the paper's Cartesian tree, e.g. 3,2,1), nN
+    # for N nodes
+    tree="chain",
+    # > 0: parallel tree pruning (models trained with --prune_adapter_rank; greedy only)
+    prune_threshold=0.0,
     color="auto",  # auto (on a terminal) | True | False
     threads=0,  # torch CPU threads; 0 = torch's default
-    compile=False,  # compile each decoding step whole (torch.compile); compiling takes tens of seconds first
+    # compile each decoding step whole (torch.compile); compiling takes tens of seconds first
+    compile=False,
     trace="",  # FILE.html or FILE.json: record every pass of the first sample (with --speculative)
 )
-RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0), top_k=at_least(0),
-             top_p=in_range(0.0, 1.0, lo_open=True), prune_threshold=in_range(0.0, 1.0), threads=at_least(0),
-             color=(lambda v: v.lower() in ("auto", "true", "false", "1", "0", "yes", "no"), "auto, True or False"))
+RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0),
+             top_k=at_least(0), top_p=in_range(0.0, 1.0, lo_open=True),
+             prune_threshold=in_range(0.0, 1.0), threads=at_least(0),
+             color=(lambda v: v.lower() in ("auto", "true", "false", "1", "0", "yes", "no"),
+                    "auto, True or False"))
 COLORS = ("\033[34m", "\033[33m")  # blue, yellow
 RESET = "\033[0m"
 
@@ -83,94 +93,145 @@ class StreamText:
         return piece
 
 
-def main(argv=None):
-    cfg = parse_args(config, argv, __doc__, flags=("speculative",))
+class Samples:
+    """The samples on stdout: one sample's text as each pass makes it final (with --speculative
+    and colour, each pass's tokens in the next colour), or a batch's samples whole at the end."""
+
+    def __init__(self, decode, n, color):
+        self.decode, self.n, self.color = decode, n, color
+        self.streams, self.chunk_no = [StreamText(decode) for _ in range(n)], 0
+
+    def show(self, row, tokens, final=False):
+        piece = self.streams[row].add(tokens, final)
+        if piece and self.color:
+            piece = COLORS[self.chunk_no % 2] + piece + RESET
+        self.chunk_no += 1
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def finish(self, prompt, outs):
+        for out in outs:
+            if self.n == 1:
+                self.show(0, [], final=True)
+            else:
+                sys.stdout.write(self.decode(prompt + out))
+            sys.stdout.write("\n---------------\n")
+        sys.stdout.flush()
+
+
+def check_flags(cfg):
+    """The flags against their meanings and each other, before any work."""
     check(cfg, RULES)
     if not cfg["speculative"]:
         warn_unused(cfg, config, ("tree", "prune_threshold", "color"), "without --speculative")
     elif cfg["prune_threshold"] and cfg["temperature"] > 0:
-        raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at --temperature="
-                         f"{cfg['temperature']}): add --temperature=0")
+        raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at "
+                         f"--temperature={cfg['temperature']}): add --temperature=0")
     if cfg["prune_threshold"] and cfg["num_samples"] > 1:
         raise UsageError("--prune_threshold decodes one sample at a time: give --num_samples=1")
     if cfg["trace"]:
         if not cfg["speculative"]:
-            raise UsageError("--trace records the passes of speculative decoding: add --speculative")
+            raise UsageError("--trace records the passes of speculative decoding: add "
+                             "--speculative")
         check_path(cfg["trace"])
         if cfg["num_samples"] > 1:
             raise UsageError("--trace records the passes of one sample: give --num_samples=1")
 
-    text = read_prompt(cfg["start"])
+
+def load(cfg):
+    """(model, tokenizer) on the device and dtype asked for, compiled with --compile."""
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
-    print(f"model {cfg['out_dir']}/ckpt.pt on {device} ({dtype})" + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
+    print(f"model {cfg['out_dir']}/ckpt.pt on {device} ({dtype})"
+          + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
     if cfg["compile"]:
         model = compiled(model)
+    return model, tok
+
+
+def encode(text, tok):
     if text:
-        prompt = tok.encode(text)
-    else:
-        prompt, shown = tok.empty_prompt()
-        print(f"empty prompt: starting from {shown}", file=sys.stderr)
-    speculative = cfg["speculative"]
-    if speculative and model.config.n_drafts == 0:
-        raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has n_streams=0; "
-                         "train one with python train.py --n_streams=3, or sample without --speculative")
-    weight = model.lm_head.weight  # bind the tree where the model is ("cuda" is cuda:0 there), once
-    tree = make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, weight.device, weight.dtype) \
-        if speculative else None
-    color = sys.stdout.isatty() if cfg["color"].lower() == "auto" else cfg["color"].lower() in ("true", "1", "yes")
-    n = cfg["num_samples"]
-    streams, chunk_no = [StreamText(tok.decode) for _ in range(n)], [0]
+        return tok.encode(text)
+    prompt, shown = tok.empty_prompt()
+    print(f"empty prompt: starting from {shown}", file=sys.stderr)
+    return prompt
 
-    def show(row, tokens, final=False):  # one sample: its text as each pass makes it final
-        piece = streams[row].add(tokens, final)
-        if piece and color and speculative:
-            piece = COLORS[chunk_no[0] % 2] + piece + RESET
-        chunk_no[0] += 1
-        sys.stdout.write(piece)
-        sys.stdout.flush()
 
-    kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"], seed=cfg["seed"],
-              eot=tok.eot, on_tokens=show if n == 1 else None)
-    trace = None
-    if cfg["trace"]:
-        trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree), temperature=cfg["temperature"],
-                      top_k=cfg["top_k"], top_p=cfg["top_p"], prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
-    if n == 1:
-        sys.stdout.write(tok.decode(prompt))
-    prompts = [prompt] * n  # the samples decode as one batch
-    if cfg["compile"]:  # compile the steps on a short decode of the same batch, and say how long it took
+def speculative_tree(cfg, model):
+    """The tree of --speculative (None without it), bound where the model is."""
+    if not cfg["speculative"]:
+        return None
+    if model.config.n_drafts == 0:
+        raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has "
+                         "n_streams=0; train one with python train.py --n_streams=3, or sample "
+                         "without --speculative")
+    weight = model.lm_head.weight  # bind the tree where the model is ("cuda" is cuda:0 there)
+    return make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, weight.device,
+                                                              weight.dtype)
+
+
+def decode(model, prompts, tree, cfg, kw, trace):
+    """(outputs, Stats) of the samples, decoded as one batch; with --compile, a short decode of
+    the same batch first compiles the steps, and says how long it took."""
+    speculative, prune = cfg["speculative"], cfg["prune_threshold"]
+    if cfg["compile"]:
         t0, warm = time.perf_counter(), dict(kw, on_tokens=None)
         if speculative:
-            generate_speculative(model, prompts, 2, tree, prune_threshold=cfg["prune_threshold"], **warm)
+            generate_speculative(model, prompts, 2, tree, prune_threshold=prune, **warm)
         else:
             generate_ar(model, prompts, 2, **warm)
-        print(f"torch.compile: {time.perf_counter() - t0:.1f} s to compile the steps", file=sys.stderr)
+        print(f"torch.compile: {time.perf_counter() - t0:.1f} s to compile the steps",
+              file=sys.stderr)
     if speculative:
-        outs, stats = generate_speculative(model, prompts, cfg["max_new_tokens"], tree,
-                                           prune_threshold=cfg["prune_threshold"],
-                                           on_pass=trace.on_pass if trace else None, **kw)
-    else:
-        outs, stats = generate_ar(model, prompts, cfg["max_new_tokens"], **kw)
-    for i, out in enumerate(outs):
-        if n == 1:
-            show(0, [], final=True)
-        else:
-            sys.stdout.write(tok.decode(prompt + out))
-        sys.stdout.write("\n---------------\n")
-    sys.stdout.flush()
+        return generate_speculative(model, prompts, cfg["max_new_tokens"], tree,
+                                    prune_threshold=prune,
+                                    on_pass=trace.on_pass if trace else None, **kw)
+    return generate_ar(model, prompts, cfg["max_new_tokens"], **kw)
+
+
+def report(cfg, stats, tree, trace, prompt, outs):
+    """The statistics on stderr, and the trace written (with --trace)."""
+    n = cfg["num_samples"]
     batch = f"{n} samples as one batch: " if n > 1 else ""
-    print(f"[{'speculative, tree ' + str(tree) if speculative else 'autoregressive'}] {batch}{stats.new_tokens} new "
-          f"tokens, {stats.tokens_per_s:.0f} tokens/s, {stats.passes} forward passes, "
+    kind = "speculative, tree " + str(tree) if cfg["speculative"] else "autoregressive"
+    print(f"[{kind}] {batch}{stats.new_tokens} new tokens, {stats.tokens_per_s:.0f} tokens/s, "
+          f"{stats.passes} forward passes (the prefill and any window rebuilds included), "
           f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
     if trace:
         trace.finish(prompt, outs[0])
         trace.save(cfg["trace"])
-        print(f"trace of {len(trace.passes)} passes written to {cfg['trace']} (the tokens/s above include "
-              "recording it)", file=sys.stderr)
+        print(f"trace of {len(trace.passes)} decode passes (the prefill and window rebuilds are "
+              f"not traced) written to {cfg['trace']} (the tokens/s above include recording it)",
+              file=sys.stderr)
+
+
+def main(argv=None):
+    cfg = parse_args(config, argv, __doc__, flags=("speculative",))
+    check_flags(cfg)
+    text = read_prompt(cfg["start"])
+    model, tok = load(cfg)
+    prompt = encode(text, tok)
+    tree = speculative_tree(cfg, model)
+    color = (sys.stdout.isatty() if cfg["color"].lower() == "auto"
+             else cfg["color"].lower() in ("true", "1", "yes"))
+    n = cfg["num_samples"]
+    samples = Samples(tok.decode, n, color and cfg["speculative"])
+    kw = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"],
+              seed=cfg["seed"], eot=tok.eot, on_tokens=samples.show if n == 1 else None)
+    trace = None
+    if cfg["trace"]:
+        trace = Trace(tok.decode, eot=tok.eot, model=cfg["out_dir"], tree=str(tree),
+                      temperature=cfg["temperature"], top_k=cfg["top_k"], top_p=cfg["top_p"],
+                      prune_threshold=cfg["prune_threshold"], seed=cfg["seed"])
+    if n == 1:
+        sys.stdout.write(tok.decode(prompt))
+    outs, stats = decode(model, [prompt] * n, tree, cfg, kw, trace)
+    samples.finish(prompt, outs)
+    report(cfg, stats, tree, trace, prompt, outs)
+
 
 if __name__ == "__main__":
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"

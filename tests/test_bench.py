@@ -1,5 +1,6 @@
 """bench.py: the tree search's choice (ss_mini/lab/tree_choice.py), repeated runs, --suite and its
 worked example (ss_mini/lab/suite.py)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,9 +18,19 @@ from ss_mini.lab.report import shell_quote
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def lab_modules_at_the_package_root(monkeypatch):
+    """conftest.fake_tree_search imports tree_choice and measure from ss_mini, where they lived
+    before ss_mini/lab/: they answer there too, until conftest imports them from ss_mini.lab."""
+    import ss_mini
+    from ss_mini.lab import tree_choice
+    monkeypatch.setattr(ss_mini, "tree_choice", tree_choice, raising=False)
+    monkeypatch.setattr(ss_mini, "measure", measure, raising=False)
+
+
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 def search(monkeypatch, timings, **cfg):
@@ -44,7 +55,8 @@ def test_among_near_ties_over_whole_decodes_the_busiest_tree_wins(monkeypatch):
     # busy (all rows decoding): 1,1 1.6x, 1,1,1 2.0x; a drain makes both 1.6x over the whole decode
     timings = {"1,1": (2, 1.25), "1,1,1": (4, 2.0)}
     assert search(monkeypatch, timings, drain={"1,1,1": 1.25})[0] == "1,1,1"
-    # a tree whose drain costs it more than the margin is out, however busy: the search errs toward plain decoding
+    # a tree whose drain costs it more than the margin is out, however busy: the search errs
+    # toward plain decoding
     assert search(monkeypatch, timings, drain={"1,1,1": 1.3})[0] == "1,1"
     # a wide margin keeps both on both counts: the fewest nodes
     assert search(monkeypatch, timings, drain={"1,1,1": 1.25}, tie_margin=0.25)[0] == "1,1"
@@ -54,23 +66,26 @@ def test_a_slow_spell_on_one_prompt_does_not_decide_the_search(monkeypatch):
     # 1,1,1 is 2.0x on every prompt but p1, where the machine slowed it 4x; 1,1 is 1.6x everywhere:
     # over the sum of the three decodes 1,1,1 would lose (1.2x), over the median prompt it wins
     timings = {"1,1": (2, 1.25), "1,1,1": (4, 2.0)}
-    best, rows, _ = fake_tree_search(monkeypatch, timings, prompts=("p0", "p1", "p2"), slow={("1,1,1", "p1"): 4},
-                                     tie_margin=0.0)
+    best, rows, _ = fake_tree_search(monkeypatch, timings, prompts=("p0", "p1", "p2"),
+                                     slow={("1,1,1", "p1"): 4}, tie_margin=0.0)
     assert best == "1,1,1" and [round(r["speedup"], 2) for _, _, r in rows] == [1.6, 2.0]
 
 
 def test_tree_search_decodes_calibration_tokens(monkeypatch):
     timings = {"1,1": (2, 1.2), "n4": (3, 1.5)}
     _, asked = search(monkeypatch, timings, calibration_tokens=100)
-    assert asked[:3] == [32] * 3 and set(asked[3:]) == {100}  # a short warm-up of each decoder, then the search
+    # a short warm-up of each decoder, then the search
+    assert asked[:3] == [32] * 3 and set(asked[3:]) == {100}
     _, asked = search(monkeypatch, timings, calibration_tokens=1000)
     assert set(asked[3:]) == {256}  # never more than max_new_tokens
 
 
 def test_over_runs_gives_the_median_run_and_the_range():
-    runs = [dict(speedup=x, mean_accepted=x, match_rate=m) for x, m in ((1.9, 1.0), (1.5, 1.0), (1.7, 0.5))]
+    runs = [dict(speedup=x, mean_accepted=x, match_rate=m)
+            for x, m in ((1.9, 1.0), (1.5, 1.0), (1.7, 0.5))]
     r = over_runs(runs)
-    assert r["speedup"] == r["mean_accepted"] == 1.7 and r["median_run"] == 2 and r["speedup_range"] == [1.5, 1.9]
+    assert r["speedup"] == r["mean_accepted"] == 1.7 and r["median_run"] == 2
+    assert r["speedup_range"] == [1.5, 1.9]
     assert r["speedups"] == [1.9, 1.5, 1.7] and r["match_rate"] == 0.5  # the worst run's
     assert over_runs(runs[:2])["speedup"] == 1.5  # an even count: the lower middle run
 
@@ -87,25 +102,30 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
 
     monkeypatch.setattr(bench, "generate_speculative", spy)
     monkeypatch.setattr(measure, "generate_speculative", spy)  # run_pair's
-    result = bench.main([f"--out_dir={tiny_ckpt}", "--num_prompts=2", "--max_new_tokens=12", "--prompt_tokens=16",
-                         "--candidates=1,1;n4", "--repeats=2"])
+    result = bench.main([f"--out_dir={tiny_ckpt}", "--num_prompts=2", "--max_new_tokens=12",
+                         "--prompt_tokens=16", "--candidates=1,1;n4", "--repeats=2"])
     assert len(result["speedups"]) == 2 and result["speedup"] == min(result["speedups"])
     assert result["speedup_range"] == [min(result["speedups"]), max(result["speedups"])]
     measured = seen[-4:]  # 2 runs x 2 prompts
     assert len({t for t, _, _ in measured}) == 1 and measured[0][1] == result["tree"]
     warmed = [p for t, _, p in seen[:-4] if t == measured[0][0]]
-    assert warmed and not set(warmed) & {p for _, _, p in measured}  # warmed up on the calibration prompts
+    # warmed up on the calibration prompts
+    assert warmed and not set(warmed) & {p for _, _, p in measured}
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"speedup {result['speedup']:.2f}x") and f"tree {result['tree']}" in out[0]
+    assert out[0].startswith(f"speedup {result['speedup']:.2f}x")
+    assert f"tree {result['tree']}" in out[0]
     assert "greedy" in out[0] and "over 2 runs" in out[0]
-    assert (result["repeat_rate"] > 0.5) == out[1].startswith("most of this speedup is drafting repeated text")
+    repeats = out[1].startswith("most of this speedup is drafting repeated text")
+    assert (result["repeat_rate"] > 0.5) == repeats
     assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
 
 
 def test_timings_wait_for_the_device(monkeypatch):
-    """synchronize waits on CUDA and on MPS (else the timers see kernel launches), and every timer uses it."""
+    """synchronize waits on CUDA and on MPS (else the timers see kernel launches), and every
+    timer uses it."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: calls.append(("cuda", device)))
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
     for device in ("cpu", "cuda:1", "mps", torch.device("mps")):
         measure.synchronize(device)
@@ -115,30 +135,34 @@ def test_timings_wait_for_the_device(monkeypatch):
     measure.copy_bandwidth("cpu", mb=1, repeats=1)
     assert seen == ["cpu", "cpu"]
     monkeypatch.setattr(bench, "synchronize", seen.append)
-    args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5, n_streams=1, n_msa_layers=1)
-    bench.train_bench(dict(config=dict(batch_size=2, block_size=8), model_args=args), "cpu", 1, lambda *a: None)
+    args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5, n_streams=1,
+                n_msa_layers=1)
+    bench.train_bench(dict(config=dict(batch_size=2, block_size=8), model_args=args), "cpu", 1,
+                      lambda *a: None)
     assert seen[2:] == ["cpu"] * 6  # 3 steps (2 warm-up) of 2 models
 
 
 def test_shell_quote_survives_bash():
     for text in ("def f(x):", "it's\n\tx = '\\\\'\n", "\x0cform feed é ☃", "a b; $HOME `ls`"):
-        r = subprocess.run(["bash", "-c", f"printf %s {shell_quote(text)}"], capture_output=True, text=True)
+        r = subprocess.run(["bash", "-c", f"printf %s {shell_quote(text)}"], capture_output=True,
+                           text=True)
         assert r.stdout == text
 
 
 def test_suite_needs_its_checkpoints(tiny_ckpt, tmp_path):
     r = run("--suite", cwd=tmp_path)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "error: --suite needs out/ckpt.pt: make it with `python train.py`, or point --suite_dirs=CODE_DIR,PROSE_DIR "
-        "at other checkpoints"]
+        "error: --suite needs out/ckpt.pt: make it with `python train.py`, or point "
+        "--suite_dirs=CODE_DIR,PROSE_DIR at other checkpoints"]
     r = run("--suite", f"--suite_dirs={tiny_ckpt},{tmp_path}/prose", cwd=tmp_path)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
     assert f"`python train.py --dataset=shakespeare --out_dir={tmp_path}/prose`" in r.stderr
 
 
 def test_suite_json_and_its_worked_example(tiny_ckpt):
-    r = run("--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=3", "--max_new_tokens=16",
-            "--prompt_tokens=16", "--candidates=1,1;n4", "--calibration_tokens=8", "--repeats=2", "--json")
+    r = run("--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=3",
+            "--max_new_tokens=16", "--prompt_tokens=16", "--candidates=1,1;n4",
+            "--calibration_tokens=8", "--repeats=2", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     rows = doc["rows"]
@@ -146,61 +170,135 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
         ("held-out", "greedy"), ("held-out", "T = 0.8"), ("prompts/code_unseen.jsonl", "greedy"),
         ("held-out", "greedy"), ("held-out", "T = 0.8"), ("prompts/prose_unseen.jsonl", "greedy")]
     for row in rows:
-        assert len(row["speedups"]) == 2 and row["speedup_range"][0] <= row["speedup"] <= row["speedup_range"][1]
-        assert row["tree"] in ("1,1", "n4") and 0 <= row["repeat_rate"] <= 1 and row["mean_accepted"] >= 1
+        low, high = row["speedup_range"]
+        assert len(row["speedups"]) == 2 and low <= row["speedup"] <= high
+        assert row["tree"] in ("1,1", "n4") and 0 <= row["repeat_rate"] <= 1
+        assert row["mean_accepted"] >= 1
         assert row["match_rate"] == 1.0 or row["temperature"] > 0
     assert rows[1]["command"].startswith(f"python bench.py --out_dir={tiny_ckpt} --temperature=0.8")
-    assert doc["machine"]["threads"] >= 1 and doc["machine"]["torch"] and doc["machine"]["processor"]
+    machine = doc["machine"]
+    assert machine["threads"] >= 1 and machine["torch"] and machine["processor"]
     assert doc["checkpoints"][0]["corpus"]["sha256"]
-    assert "| model | text | decoding |" in r.stderr and "### Worked example" in r.stderr  # the Markdown
+    # the Markdown
+    assert "| model | text | decoding |" in r.stderr and "### Worked example" in r.stderr
     ex = doc["worked_example"]
     taus = ex["greedy_taus"]  # of the first row's prompts: the example is the one in the middle
     assert len(taus) == 3 and ex["greedy"]["tau"] == taus[ex["prompt_index"]] == sorted(taus)[1]
     for mode in ("greedy", "sampled"):  # the commands decode what bench decoded
         speculative, plain = ex[mode]["commands"]
         assert speculative == plain + f" --speculative --tree={ex[mode]['tree']}"
-        out = subprocess.run(["bash", "-c", speculative.replace("python sample.py", f"{sys.executable} sample.py", 1)],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        command = speculative.replace("python sample.py", f"{sys.executable} sample.py", 1)
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                             timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout == ex["prompt"] + ex[mode]["continuation"] + "\n---------------\n"
         assert f"{ex[mode]['tau']:.2f} tokens per pass" in out.stderr
-    plain = subprocess.run(["bash", "-c", ex["greedy"]["commands"][1].replace("python sample.py",
-                                                                              f"{sys.executable} sample.py", 1)],
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    command = ex["greedy"]["commands"][1].replace("python sample.py", f"{sys.executable} sample.py",
+                                                  1)
+    plain = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                           timeout=120)
     assert plain.stdout == ex["prompt"] + ex["greedy"]["continuation"] + "\n---------------\n"
+
+
+def test_the_tree_search_picks_plain_decoding_where_no_tree_pays(monkeypatch):
+    # 1,1 takes 12 passes of 3 ms where plain decoding takes 24 of 1 ms
+    best, rows, _ = fake_tree_search(monkeypatch, {"none": (1, 1.0), "1,1": (2, 3.0)})
+    assert best == "none" and [(spec, n) for spec, n, _ in rows] == [("none", 0), ("1,1", 3)]
+
+
+def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch, capsys):
+    """A row whose tree search picks plain decoding (the tree `none`) is measured and reported
+    like the others: tree none, speedup 1.00x, in the JSON and in the Markdown."""
+    from ss_mini.lab import suite
+    real = suite.choose_tree
+
+    def search(model, calibration, cfg, kw, log):  # the sampled rows' search can only pick none
+        candidates = "none" if cfg["temperature"] else "1,1"
+        return real(model, calibration, dict(cfg, candidates=candidates), kw, log)
+
+    monkeypatch.setattr(suite, "choose_tree", search)
+    doc = bench.main(["--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=2",
+                      "--max_new_tokens=8", "--prompt_tokens=16", "--calibration_tokens=8",
+                      "--repeats=2"])
+    rows = doc["rows"]
+    assert [(row["decoding"], row["tree"]) for row in rows] == [
+        ("greedy", "1,1"), ("T = 0.8", "none"), ("greedy", "1,1")] * 2
+    for row in rows[1::3]:
+        assert row["tree_nodes"] == 0 and row["speedups"] == [1.0, 1.0] and row["speedup"] == 1.0
+    assert doc["worked_example"]["sampled"]["tree"] == "none"
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| python")]
+    assert len(table) == 6
+    for line in table[1::3]:
+        assert "| T = 0.8 |" in line and "| none |" in line and "**1.00×** (1.00–1.00)" in line
+    assert "Tree none: no tree beat plain decoding on the calibration prompts" in out
 
 
 def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):
     """--batch_sweep: one row per batch size, each with its own tree search (the tree none among
     the candidates) and --repeats measured runs, plain decoding at every size after the first
-    none, greedy outputs identical to plain decoding at every size, and the figure."""
-    pytest.importorskip("matplotlib")
+    none, greedy outputs identical to plain decoding at every size, and the figure (where
+    matplotlib is installed: the rest runs without it)."""
+    plotting = importlib.util.find_spec("matplotlib") is not None
     png = tmp_path / "sweep.png"
-    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=4", "--num_prompts=3", "--max_new_tokens=12",
-            "--prompt_tokens=16", "--batch_candidates=none;1,1;n4", "--calibration_tokens=8", "--repeats=2", f"--plot={png}",
-            "--json")
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=4", "--num_prompts=3",
+            "--max_new_tokens=12", "--prompt_tokens=16", "--batch_candidates=none;1,1;n4",
+            "--calibration_tokens=8", "--repeats=2", *[f"--plot={png}"] * plotting, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     rows = doc["batch_sweep"]
-    assert [row["batch_size"] for row in rows] == [1, 2, 4] and png.exists()
+    assert [row["batch_size"] for row in rows] == [1, 2, 4] and png.exists() == plotting
     for row in rows:
         assert row["tree"] in ("none", "1,1", "n4") and row["match_rate"] == 1.0
         assert row["rows"] >= 3 and row["ar_latency_s"] > 0 and len(row["speedups"]) == 2
     trees = [row["tree"] for row in rows]
     assert "none" not in trees or set(trees[trees.index("none"):]) == {"none"}
-    assert doc["stops_paying_at"] == (rows[trees.index("none")]["batch_size"] if "none" in trees else None)
-    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=2", "--num_prompts=3", "--max_new_tokens=12",
-            "--prompt_tokens=16", "--batch_candidates=none", "--repeats=2", "--json")
+    stop = rows[trees.index("none")]["batch_size"] if "none" in trees else None
+    assert doc["stops_paying_at"] == stop
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_sweep", "--max_batch_size=2", "--num_prompts=3",
+            "--max_new_tokens=12", "--prompt_tokens=16", "--batch_candidates=none", "--repeats=2",
+            "--json")
     assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)  # speculation off: the speculative column is plain decoding's own runs
-    assert [(row["tree"], row["speedups"]) for row in doc["batch_sweep"]] == [("none", [1.0, 1.0])] * 2
+    doc = json.loads(r.stdout)  # speculation off: the speculative column is plain decoding's runs
+    rows = [(row["tree"], row["speedups"]) for row in doc["batch_sweep"]]
+    assert rows == [("none", [1.0, 1.0])] * 2
     assert doc["stops_paying_at"] == 1
-    assert "stops paying at batch size 1 and is off from there on: no tree beat plain decoding" in r.stderr
-    r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12", "--prompt_tokens=16",
-            "--tree=1,1", "--repeats=1", "--json")
+    assert ("stops paying at batch size 1 and is off from there on: no tree beat plain decoding"
+            in r.stderr)
+    r = run(f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3", "--max_new_tokens=12",
+            "--prompt_tokens=16", "--tree=1,1", "--repeats=1", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["batch_size"] == 2 and doc["match_rate"] == 1.0 and "2 at once" in doc["report"]
+
+
+def bench_a_batch(tiny_ckpt, capsys):
+    """bench.py --batch_size=2 on 3 prompts: (its result, its report's lines)."""
+    result = bench.main([f"--out_dir={tiny_ckpt}", "--batch_size=2", "--num_prompts=3",
+                         "--max_new_tokens=8", "--prompt_tokens=16", "--tree=1,1", "--repeats=1"])
+    return result, capsys.readouterr().out.splitlines()
+
+
+def test_bench_says_how_many_prompts_a_batch_decodes_and_why(tiny_ckpt, capsys):
+    """Too few prompts to fill the queues of a batch are cycled, and the report says so."""
+    result, report = bench_a_batch(tiny_ckpt, capsys)
+    assert result["prompts"] == 8
+    assert ("decoding 8 prompts, not 3: at --batch_size=2 the 3 held-out prompts are cycled to "
+            "fill 2 queues of 4 (2 waves of 2 rows each)") in "\n".join(report)
+    from ss_mini.lab.tree_choice import batched
+    prompts = [[1, 2, 3, 4]] * 40
+    assert bench.batch_note(dict(bench.config, batch_size=2), 40, batched(prompts, 2)).startswith(
+        "decoding 40 held-out prompts in 2 queues of 20, 2 rows at once")
+
+
+def test_bench_reports_the_latency_of_a_batch(tiny_ckpt, capsys):
+    """At --batch_size=B the report gives the mean time to a full output of both decoders, as
+    --batch_sweep does."""
+    result, report = bench_a_batch(tiny_ckpt, capsys)
+    line = next(line for line in report if line.strip().startswith("latency (s)"))
+    assert line.split()[-2:] == [f"{result['ar_latency_s']:.3f}", f"{result['ss_latency_s']:.3f}"]
+    assert any("latency: the mean time until a prompt's output is complete" in line
+               for line in report)
 
 
 def test_once_speculation_stops_paying_a_bigger_batch_decodes_plainly():

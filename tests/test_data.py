@@ -34,7 +34,8 @@ def test_prepare_text_file(tmp_path):
     assert tok.decode(np.concatenate([train, val]).tolist()) == path.read_text()
     assert tok.decode(val[:4].tolist()) == "line"  # validation starts at a line break
     assert 0.05 < len(val) / (len(train) + len(val)) < 0.15
-    again_folder, again = prepare(f"text:{path}", "char", str(tmp_path / "data"))  # reused, not rebuilt
+    # reused, not rebuilt
+    again_folder, again = prepare(f"text:{path}", "char", str(tmp_path / "data"))
     assert again == json.load(open(f"{folder}/meta.json")) and again_folder == folder
 
 
@@ -46,7 +47,8 @@ def test_prepare_python_holds_out_whole_modules(tmp_path):
     val = load_split(folder, "val")
     first = meta["val_docs"][0]
     import sysconfig
-    src = open(f"{sysconfig.get_paths()['stdlib']}/{first}", encoding="utf-8", errors="replace").read()
+    src = open(f"{sysconfig.get_paths()['stdlib']}/{first}", encoding="utf-8",
+               errors="replace").read()
     assert tok.decode(val[:200].tolist()) == src[:200]
 
 

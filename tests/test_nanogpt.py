@@ -24,19 +24,22 @@ from ss_mini.io.nanogpt import import_nanogpt, read_meta
 from ss_mini.tree import make_tree
 
 TEXT = "".join(f"ROMEO:\nBut soft, what light through yonder window breaks {i}?\n"
-               f"JULIET:\nO Romeo, Romeo! wherefore art thou Romeo {i * 7 % 10}?\n\n" for i in range(60))
+               f"JULIET:\nO Romeo, Romeo! wherefore art thou Romeo {i * 7 % 10}?\n\n"
+               for i in range(60))
 
 
-def nanogpt_weights(vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=32, bias=False, std=0.2, seed=0):
+def nanogpt_weights(vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=32, bias=False, std=0.2,
+                    seed=0):
     """A state dict under nanoGPT's names, wte and lm_head one tensor as in its tied model."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=g) * std
     C = n_embd
-    sd = {"transformer.wte.weight": rnd(vocab_size, C), "transformer.wpe.weight": rnd(block_size, C)}
+    sd = {"transformer.wte.weight": rnd(vocab_size, C),
+          "transformer.wpe.weight": rnd(block_size, C)}
     for i in range(n_layer):
         p = f"transformer.h.{i}."
-        for name, shape in (("ln_1", (C,)), ("attn.c_attn", (3 * C, C)), ("attn.c_proj", (C, C)), ("ln_2", (C,)),
-                            ("mlp.c_fc", (4 * C, C)), ("mlp.c_proj", (C, 4 * C))):
+        for name, shape in (("ln_1", (C,)), ("attn.c_attn", (3 * C, C)), ("attn.c_proj", (C, C)),
+                            ("ln_2", (C,)), ("mlp.c_fc", (4 * C, C)), ("mlp.c_proj", (C, 4 * C))):
             sd[p + name + ".weight"] = 1 + rnd(*shape) if name.startswith("ln") else rnd(*shape)
             if bias:
                 sd[p + name + ".bias"] = rnd(shape[0])
@@ -47,7 +50,8 @@ def nanogpt_weights(vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=32, b
     return sd
 
 
-def write_nanogpt(root, sd, n_head=2, bias=False, compiled=False, mask_buffers=False, dataset="shakespeare_char"):
+def write_nanogpt(root, sd, n_head=2, bias=False, compiled=False, mask_buffers=False,
+                  dataset="shakespeare_char"):
     """root/out-shakespeare-char/ckpt.pt as nanoGPT's train.py saves it (model_args, config,
     AdamW state); compiled: '_orig_mod.' names; mask_buffers: the attn.bias buffers of a torch
     without scaled_dot_product_attention."""
@@ -64,9 +68,11 @@ def write_nanogpt(root, sd, n_head=2, bias=False, compiled=False, mask_buffers=F
     opt = torch.optim.AdamW(params, lr=1e-3)
     sum((p * p).sum() for p in params).backward()
     opt.step()
-    args = dict(n_layer=n_layer, n_head=n_head, n_embd=C, block_size=T, bias=bias, vocab_size=V, dropout=0.0)
-    config = dict(out_dir="out-shakespeare-char", dataset=dataset, batch_size=12, block_size=T, n_layer=n_layer,
-                  bias=bias, learning_rate=1e-3, compile=compiled, device="cpu", dtype="float16", decay_lr=True)
+    args = dict(n_layer=n_layer, n_head=n_head, n_embd=C, block_size=T, bias=bias, vocab_size=V,
+                dropout=0.0)
+    config = dict(out_dir="out-shakespeare-char", dataset=dataset, batch_size=12, block_size=T,
+                  n_layer=n_layer, bias=bias, learning_rate=1e-3, compile=compiled, device="cpu",
+                  dtype="float16", decay_lr=True)
     out = root / "out-shakespeare-char"
     out.mkdir(parents=True)
     torch.save({"model": model, "optimizer": opt.state_dict(), "model_args": args, "iter_num": 250,
@@ -75,7 +81,8 @@ def write_nanogpt(root, sd, n_head=2, bias=False, compiled=False, mask_buffers=F
 
 
 def write_meta(folder, text):
-    """data/<dataset>/meta.pkl and input.txt as nanoGPT's data/shakespeare_char/prepare.py writes them."""
+    """data/<dataset>/meta.pkl and input.txt as nanoGPT's data/shakespeare_char/prepare.py writes
+    them."""
     folder.mkdir(parents=True, exist_ok=True)
     chars = sorted(set(text))
     stoi, itos = {ch: i for i, ch in enumerate(chars)}, {i: ch for i, ch in enumerate(chars)}
@@ -102,7 +109,8 @@ def reference_logits(sd, n_head, idx):
         p = f"transformer.h.{i}."
         q, k, v = lin(ln(x, p + "ln_1"), p + "attn.c_attn").split(C, dim=-1)
         q, k, v = (t.reshape(B, T, n_head, hs).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1) / math.sqrt(hs)).masked_fill(future, float("-inf")).softmax(-1)
+        att = (q @ k.transpose(-2, -1) / math.sqrt(hs)).masked_fill(future, float("-inf"))
+        att = att.softmax(-1)
         x = x + lin((att @ v).transpose(1, 2).reshape(B, T, C), p + "attn.c_proj")
         h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
         x = x + lin(0.5 * h * (1 + torch.erf(h / math.sqrt(2))), p + "mlp.c_proj")
@@ -141,9 +149,12 @@ def test_logits_equal_nanogpts(tmp_path, bias, compiled, mask_buffers):
     with torch.no_grad():
         ref = reference_logits(sd, 2, idx)
         torch.testing.assert_close(model(idx)[0], ref, rtol=0, atol=1e-5)
-        tanh = imported_model({**source, "model_args": {**source["model_args"], "gelu_approximate": "tanh"}})
-        assert (tanh(idx)[0] - ref).abs().max() > 1e-4  # GPT-2's GELU is not nanoGPT's: the field matters
-        cropped = imported_model(import_nanogpt(str(out), block_size=16))  # as nanoGPT's train.py crops
+        tanh = imported_model({**source, "model_args": {**source["model_args"],
+                                                        "gelu_approximate": "tanh"}})
+        # GPT-2's GELU is not nanoGPT's: the field matters
+        assert (tanh(idx)[0] - ref).abs().max() > 1e-4
+        # as nanoGPT's train.py crops
+        cropped = imported_model(import_nanogpt(str(out), block_size=16))
         assert cropped.config.block_size == 16 and cropped.transformer.wpe.weight.shape[0] == 16
         torch.testing.assert_close(cropped(idx[:, :16])[0], ref[:, :16], rtol=0, atol=1e-5)
 
@@ -156,7 +167,8 @@ def test_greedy_continuation_equals_the_reference_loop(tmp_path):
     model = imported_model(source, n_streams=3, n_msa_layers=1).double()
     sd64 = {k: v.double() for k, v in sd.items()}
     prompt = [stoi[c] for c in "ROMEO:\n"]
-    want = reference_greedy(sd64, 2, prompt, 32 - len(prompt))  # the whole block: no sliding window yet
+    # the whole block: no sliding window yet
+    want = reference_greedy(sd64, 2, prompt, 32 - len(prompt))
     ar, _ = generate_ar(model, prompt, len(want))
     ss, _ = generate_speculative(model, prompt, len(want), make_tree("2,1,1", 3))
     assert ar == want and ss == want
@@ -171,14 +183,17 @@ def test_lossless_fine_tune_then_sample_and_bench(tmp_path, capsys):
     sd = nanogpt_weights(len(stoi), bias=False, std=0.3)
     nano = write_nanogpt(tmp_path / "nanoGPT", sd, compiled=True)
     out, ours = tmp_path / "out-from-nanogpt", tmp_path / "data"
-    common = [f"--init_from=nanogpt:{nano}", f"--dataset=text:{data / 'input.txt'}", f"--data_dir={ours}",
-              "--batch_size=4", "--eval_interval=3", "--eval_iters=1", "--log_interval=100", "--warmup_iters=1"]
-    train.main(common + [f"--out_dir={out}", "--freeze_base=True", "--n_streams=3", "--stream_adapter_rank=8",
-                         "--max_iters=6", "--learning_rate=1e-2"])
+    common = [f"--init_from=nanogpt:{nano}", f"--dataset=text:{data / 'input.txt'}",
+              f"--data_dir={ours}", "--batch_size=4", "--eval_interval=3", "--eval_iters=1",
+              "--log_interval=100", "--warmup_iters=1"]
+    train.main(common + [f"--out_dir={out}", "--freeze_base=True", "--n_streams=3",
+                         "--stream_adapter_rank=8", "--max_iters=6", "--learning_rate=1e-2"])
     ckpt = load_checkpoint(str(out))
-    assert ckpt["config"]["meta_pkl"] == str(data / "meta.pkl") and ckpt["corpus"]["train_tokens"] > 0
+    assert ckpt["config"]["meta_pkl"] == str(data / "meta.pkl")
+    assert ckpt["corpus"]["train_tokens"] > 0
     folder = os.path.join(ours, os.listdir(ours)[0])
-    assert len(os.listdir(ours)) == 1 and "-vocab-" in folder  # not the folder of a vocabulary built from the text
+    # not the folder of a vocabulary built from the text
+    assert len(os.listdir(ours)) == 1 and "-vocab-" in folder
     ids = np.concatenate([load_split(folder, "train"), load_split(folder, "val")])
     assert ids.tolist() == [stoi[c] for c in TEXT]  # nanoGPT's ids
     trained, tok, _ = load_model(str(out))
@@ -186,20 +201,25 @@ def test_lossless_fine_tune_then_sample_and_bench(tmp_path, capsys):
     for name, p in trained.named_parameters():
         if not GPT.is_draft_param(name):
             assert torch.equal(p, base.state_dict()[name]), name
-    assert trained.transformer.h[1].attn.stream_adapter.up.weight.abs().sum() > 0  # the streams trained
+    # the streams trained
+    assert trained.transformer.h[1].attn.stream_adapter.up.weight.abs().sum() > 0
     idx = torch.tensor([tok.encode(TEXT[:30])])
-    with torch.no_grad():  # the main stream alone, as generate_ar computes it: bit-identical to nanoGPT's model
-        main, _ = trained.forward_nodes(idx, torch.arange(30), tree_mask(range(-1, 29)), draft_depth=0)
+    # the main stream alone, as generate_ar computes it: bit-identical to nanoGPT's model
+    with torch.no_grad():
+        main, _ = trained.forward_nodes(idx, torch.arange(30), tree_mask(range(-1, 29)),
+                                        draft_depth=0)
         assert torch.equal(main, base(idx)[0])
         torch.testing.assert_close(main, reference_logits(sd, 2, idx), rtol=0, atol=1e-5)
     capsys.readouterr()
     sample.main([f"--out_dir={out}", "--start=ROMEO:", "--max_new_tokens=20", "--temperature=0"])
-    sample.main([f"--out_dir={out}", "--speculative", "--start=ROMEO:", "--max_new_tokens=20", "--temperature=0"])
+    sample.main([f"--out_dir={out}", "--speculative", "--start=ROMEO:", "--max_new_tokens=20",
+                 "--temperature=0"])
     ar_text, ss_text = capsys.readouterr().out.split("\n---------------\n")[:2]
     assert ar_text == ss_text and ar_text.startswith("ROMEO:") and len(ar_text) == 26
-    result = bench.main([f"--out_dir={out}", "--num_prompts=2", "--prompt_tokens=8", "--max_new_tokens=8",
-                         "--tree=1,1", "--json"])
-    assert result["match_rate"] == 1.0 and len(os.listdir(ours)) == 1  # bench read the same tokenised text
+    result = bench.main([f"--out_dir={out}", "--num_prompts=2", "--prompt_tokens=8",
+                         "--max_new_tokens=8", "--tree=1,1", "--json"])
+    # bench read the same tokenised text
+    assert result["match_rate"] == 1.0 and len(os.listdir(ours)) == 1
     # without --freeze_base everything trains
     full = tmp_path / "full"
     train.main(common + [f"--out_dir={full}", "--n_streams=3", "--max_iters=2"])
@@ -213,7 +233,8 @@ def test_gpt2_bpe_when_there_is_no_meta_pkl(tmp_path):
     assert source["tokenizer"] == {"tokenizer": "gpt2"} and source["meta_pkl"] == ""
     small = tmp_path / "small"
     write_nanogpt(small, nanogpt_weights(65), dataset="shakespeare_char")
-    with pytest.raises(FileNotFoundError, match="give --meta_pkl=PATH"):  # 65 tokens: a char model, its meta.pkl lost
+    # 65 tokens: a char model, its meta.pkl lost
+    with pytest.raises(FileNotFoundError, match="give --meta_pkl=PATH"):
         import_nanogpt(str(small / "out-shakespeare-char"))
 
 
@@ -235,12 +256,15 @@ def test_bad_inputs_are_one_line_errors_and_touch_nothing(tmp_path):
     write_meta(data, TEXT)
     nano = write_nanogpt(root, nanogpt_weights(len(set(TEXT))))
     out, ours = tmp_path / "out", tmp_path / "ours"
-    base = [f"--out_dir={out}", f"--data_dir={ours}", f"--dataset=text:{data / 'input.txt'}", "--max_iters=2"]
+    base = [f"--out_dir={out}", f"--data_dir={ours}", f"--dataset=text:{data / 'input.txt'}",
+            "--max_iters=2"]
     one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'nowhere'}"], "no file")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'notes.txt'}"], "not a checkpoint that torch.load")
+    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'notes.txt'}"],
+                   "not a checkpoint that torch.load")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'other.pt'}"], "not a nanoGPT checkpoint")
+    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'other.pt'}"],
+                   "not a nanoGPT checkpoint")
     fork = dict(torch.load(nano / "ckpt.pt", weights_only=True))
     fork["model_args"] = {**fork["model_args"], "use_rmsnorm": True}
     torch.save(fork, tmp_path / "fork.pt")
@@ -248,14 +272,16 @@ def test_bad_inputs_are_one_line_errors_and_touch_nothing(tmp_path):
     fork = dict(torch.load(nano / "ckpt.pt", weights_only=True))
     fork["model"] = {**fork["model"], "lm_head.weight": fork["model"]["lm_head.weight"] + 1}
     torch.save(fork, tmp_path / "untied.pt")
-    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'untied.pt'}"], "lm_head and wte differ")
+    one_line_error(base + [f"--init_from=nanogpt:{tmp_path / 'untied.pt'}"],
+                   "lm_head and wte differ")
     # a nanoGPT checkpoint where an ss_mini one is expected says how to import it
     one_line_error(base + [f"--init_from={nano / 'ckpt.pt'}"], "--init_from=nanogpt:")
     with pytest.raises(RuntimeError, match="is a nanoGPT checkpoint: add streams"):
         sample.main([f"--out_dir={nano}"])
     # meta.pkl: another vocabulary size; not plain data; code to run
     with open(tmp_path / "other.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}, f)
+        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"},
+                     "stoi": {"a": 0, "b": 1, "c": 2}}, f)
     one_line_error(base + [f"--init_from=nanogpt:{nano}", f"--meta_pkl={tmp_path / 'other.pkl'}"],
                    "has 3 characters but .* a vocabulary of")
     with open(tmp_path / "floats.pkl", "wb") as f:
@@ -266,13 +292,15 @@ def test_bad_inputs_are_one_line_errors_and_touch_nothing(tmp_path):
     shell.path = tmp_path / "pwned"
     with open(tmp_path / "evil.pkl", "wb") as f:
         pickle.dump({"vocab_size": 1, "itos": {0: "a"}, "x": shell}, f)
-    one_line_error(base + [f"--init_from=nanogpt:{nano}", f"--meta_pkl={tmp_path / 'evil.pkl'}"], "names .*system")
+    one_line_error(base + [f"--init_from=nanogpt:{nano}", f"--meta_pkl={tmp_path / 'evil.pkl'}"],
+                   "names .*system")
     with pytest.raises(ValueError, match="not plain data"):
         read_meta(tmp_path / "evil.pkl")
     assert not (tmp_path / "pwned").exists()
     # a text with characters nanoGPT's vocabulary lacks
     (tmp_path / "other.txt").write_text(TEXT + "Ω and ~\n" * 20)
-    msg = one_line_error([f"--out_dir={out}", f"--data_dir={ours}", f"--dataset=text:{tmp_path / 'other.txt'}",
+    msg = one_line_error([f"--out_dir={out}", f"--data_dir={ours}",
+                          f"--dataset=text:{tmp_path / 'other.txt'}",
                           f"--init_from=nanogpt:{nano}"], "outside the model's vocabulary")
     assert "'~Ω'" in msg
     assert not out.exists() and not ours.exists() and not (tmp_path / "pwned").exists()

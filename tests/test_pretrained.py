@@ -1,4 +1,5 @@
-"""GPT-2 weights from Hugging Face files, the GPT-2 BPE path, and lossless (frozen-base) training."""
+"""GPT-2 weights from Hugging Face files, the GPT-2 BPE path, and lossless (frozen-base)
+training."""
 import os
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def test_gpt2_logits_and_greedy_generation_match_transformers(hf_gpt2, fmt):
     torch.testing.assert_close(main, ref, rtol=0, atol=1e-5)
     prompt = [464, 2068, 7586, 21831]
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=50256,
+        hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                             pad_token_id=50256,
                              attention_mask=torch.ones(1, 4, dtype=torch.long))[0, 4:].tolist()
     ar, _ = generate_ar(ours, prompt, 20)
     ss, _ = generate_speculative(ours, prompt, 20, make_tree("2,1,1", 3))
@@ -58,19 +60,23 @@ def test_missing_weights_say_where_they_looked(tmp_path):
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
 
 
 def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
-    """gpt2 weights + gpt2 BPE + --freeze_base: the main stream stays the base model's, the streams learn."""
+    """gpt2 weights + gpt2 BPE + --freeze_base: the main stream stays the base model's, the
+    streams learn."""
     _, st, _ = hf_gpt2
     text = tmp_path / "text.txt"
     text.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(400)))
     out = tmp_path / "out"
-    r = _run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}", f"--dataset=text:{text}",
-             "--tokenizer=gpt2", f"--init_from=gpt2:{st}", "--block_size=32", "--batch_size=8", "--max_iters=30",
-             "--eval_interval=15", "--eval_iters=4", "--log_interval=10", "--freeze_base=True",
-             "--stream_adapter_rank=4", "--n_msa_layers=1", "--learning_rate=1e-2", "--warmup_iters=2")
+    r = _run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}",
+             f"--dataset=text:{text}", "--tokenizer=gpt2", f"--init_from=gpt2:{st}",
+             "--block_size=32", "--batch_size=8", "--max_iters=30", "--eval_interval=15",
+             "--eval_iters=4", "--log_interval=10", "--freeze_base=True",
+             "--stream_adapter_rank=4", "--n_msa_layers=1", "--learning_rate=1e-2",
+             "--warmup_iters=2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "lossless mode" in r.stdout and "trainable parameters" in r.stdout
     step = [line for line in r.stdout.splitlines() if line.startswith("step ")]
@@ -85,6 +91,7 @@ def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
         for name, p in trained.named_parameters():
             if not GPT.is_draft_param(name):
                 assert torch.equal(p, base.state_dict()[name]), name
-    r = _run("sample.py", f"--out_dir={out}", "--speculative", "--start=def f3(x):", "--max_new_tokens=12")
+    r = _run("sample.py", f"--out_dir={out}", "--speculative", "--start=def f3(x):",
+             "--max_new_tokens=12")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("def f3(x):") and "tokens per pass" in r.stderr

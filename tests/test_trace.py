@@ -3,6 +3,8 @@ the passes used, the page is self-contained; bench.py --plot fails early without
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 from html.parser import HTMLParser
 
@@ -29,9 +31,12 @@ CASES = {  # name: (model, tree, decoding settings)
     "greedy chain": (lambda: random_model(seed=1, std=0.4), "1,1,1", {}),
     "greedy cartesian": (lambda: random_model(seed=2, std=0.4), "3,2,1", {}),
     "greedy budget": (lambda: random_model(seed=3, std=0.4), "n8", {}),
-    "sampled cartesian": (lambda: random_model(seed=1, std=0.4), "2,2,1", dict(temperature=1.0, seed=7)),
-    "sampled budget": (lambda: random_model(seed=2, std=0.4), "n6", dict(temperature=0.8, top_k=6, seed=3)),
-    "sampled chain": (lambda: random_model(seed=4, std=0.4), "chain", dict(temperature=1.2, top_p=0.9, seed=5)),
+    "sampled cartesian": (lambda: random_model(seed=1, std=0.4), "2,2,1",
+                          dict(temperature=1.0, seed=7)),
+    "sampled budget": (lambda: random_model(seed=2, std=0.4), "n6",
+                       dict(temperature=0.8, top_k=6, seed=3)),
+    "sampled chain": (lambda: random_model(seed=4, std=0.4), "chain",
+                      dict(temperature=1.2, top_p=0.9, seed=5)),
     "pruned cartesian": (pruning_model, "3,2,1", dict(prune_threshold=0.2)),
     "pruned budget": (pruning_model, "n16", dict(prune_threshold=0.2)),
 }
@@ -55,8 +60,8 @@ def traced(case, prompt=(1, 2, 3), n=60):
 
     def on_pass(step):
         probs = step["draft_probs"]
-        steps.append(dict(q=step["draft_logits"].clone(), probs=None if probs is None else probs.clone(),
-                          L=step["cache_length"]))
+        steps.append(dict(q=step["draft_logits"].clone(),
+                          probs=None if probs is None else probs.clone(), L=step["cache_length"]))
         trace.on_pass(step)
 
     out, stats = generate_speculative(model, list(prompt), n, tree, on_pass=on_pass, **kw)
@@ -80,13 +85,15 @@ def test_trace_replays_to_the_output(case):
         if i + 1 < len(data["passes"]):
             assert data["passes"][i + 1]["root"] == p["next_root"]
         # the main stream's token at each path node is the next path token, then the next root
-        assert [nodes[u]["emitted"] for u in path] == [nodes[u]["token"] for u in path[1:]] + [p["next_root"]]
+        assert ([nodes[u]["emitted"] for u in path]
+                == [nodes[u]["token"] for u in path[1:]] + [p["next_root"]])
         for u, node in enumerate(nodes):
             status = node["status"]
             assert (status == "pruned") == (u in p["pruned"]) == (u not in p["kept"])
             if status == "rejected":  # the main stream wanted another token at its parent
                 assert node["parent"] in path and node["token"] != nodes[node["parent"]]["emitted"]
-            elif status == "unreached" and node["parent"] in path:  # only a node past the block's end
+            # only a node past the block's end
+            elif status == "unreached" and node["parent"] in path:
                 assert p["cache_length"] + node["depth"] > model.config.block_size - 1
             assert (status in ("root", "accepted")) == (u in path)
     # tracing changes nothing: the same call without it gives the same tokens (sampling included)
@@ -113,21 +120,24 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
         assert torch.isinf(mask[:, keys:]).all()
         n, g = len(p["kept"]), p["n_streams"]
         assert mask.shape[0] == n * (1 + g) == p["mask_keys"]
-        # the drafted tree is the TreeShape the tree gives for these draft logits (and, when sampling,
-        # the draft distribution that the candidates were drawn from)
+        # the drafted tree is the TreeShape the tree gives for these draft logits (and, when
+        # sampling, the draft distribution that the candidates were drawn from)
         q, probs = step["q"][None], None if step["probs"] is None else step["probs"][None]
         shape = tree.shape(q, probs, torch.tensor([T - 1 - L])).host()
         nodes = p["nodes"]
-        assert [u["parent"] for u in nodes] == shape.parents and [u["depth"] for u in nodes] == shape.depths
+        assert [u["parent"] for u in nodes] == shape.parents
+        assert [u["depth"] for u in nodes] == shape.depths
         assert [u["rank"] for u in nodes] == shape.ranks
         probs = torch.softmax(step["q"].double(), -1)
         for u in nodes[1:]:
-            if not kw.get("temperature"):  # greedy: the candidate of rank r is the r-th most probable
-                assert u["token"] == torch.topk(step["q"][u["depth"] - 1], u["rank"] + 1).indices[-1].item()
-                assert u["q_prob"] == pytest.approx(probs[u["depth"] - 1, u["token"]].item(), rel=1e-5)
+            d = u["depth"] - 1
+            # greedy: the candidate of rank r is the r-th most probable
+            if not kw.get("temperature"):
+                assert u["token"] == torch.topk(step["q"][d], u["rank"] + 1).indices[-1].item()
+                assert u["q_prob"] == pytest.approx(probs[d, u["token"]].item(), rel=1e-5)
             else:
                 assert 0.0 <= u["q_prob"] <= 1.0
-                assert u["q_prob"] == pytest.approx(step["probs"][u["depth"] - 1, u["token"]].item(), rel=1e-5)
+                assert u["q_prob"] == pytest.approx(step["probs"][d, u["token"]].item(), rel=1e-5)
 
 
 def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
@@ -135,7 +145,8 @@ def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
     full, _ = generate_speculative(model, [1, 2, 3], 40, tree)
     for eot in sorted(set(full[5:30]))[:3]:  # tokens that end the output somewhere in the middle
         trace = Trace(decode, eot=eot)
-        out, stats = generate_speculative(model, [1, 2, 3], 40, tree, eot=eot, on_pass=trace.on_pass)
+        out, stats = generate_speculative(model, [1, 2, 3], 40, tree, eot=eot,
+                                          on_pass=trace.on_pass)
         data = trace.finish([1, 2, 3], out)
         assert out == full[:full.index(eot)] and len(out) < 39
         assert [p["emitted"] for p in data["passes"]] == stats.accepted
@@ -145,7 +156,8 @@ def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
 
 def test_trace_pages_are_self_contained_and_embed_the_data(tmp_path):
     *_, data, out, _, _, _ = traced("sampled budget", n=40)
-    data["prompt"] = "see https://example.com and HTTP://x </script><b>"  # text the page must not obey
+    # text the page must not obey
+    data["prompt"] = "see https://example.com and HTTP://x </script><b>"
     page = to_html(data)
 
     class Page(HTMLParser):
@@ -189,16 +201,19 @@ def test_trace_save_writes_whole_files_or_nothing(tmp_path, monkeypatch):
         trace.save(str(path))
         assert path.read_text() != "old"
     assert json.loads((tmp_path / "t.json").read_text()) == data
-    monkeypatch.setattr("ss_mini.lab.trace.to_html", lambda d: 1 / 0)  # fails before anything is written
+    # fails before anything is written
+    monkeypatch.setattr("ss_mini.lab.trace.to_html", lambda d: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         trace.save(str(tmp_path / "t.html"))
     writes = []
     monkeypatch.setattr("ss_mini.lab.trace.os.replace", lambda a, b: writes.append((a, b)) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # fails after the temp file, before the replace
         trace.save(str(tmp_path / "t.json"))
-    assert os.path.dirname(writes[0][0]) == str(tmp_path) and writes[0][1] == str(tmp_path / "t.json")
+    assert os.path.dirname(writes[0][0]) == str(tmp_path)
+    assert writes[0][1] == str(tmp_path / "t.json")
     assert sorted(os.listdir(tmp_path)) == ["t.html", "t.json"]  # no temp file left behind
-    assert json.loads((tmp_path / "t.json").read_text()) == data and "const DATA" in (tmp_path / "t.html").read_text()
+    assert json.loads((tmp_path / "t.json").read_text()) == data
+    assert "const DATA" in (tmp_path / "t.html").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -218,14 +233,20 @@ def test_sample_trace_writes_the_page(tiny_ckpt, tmp_path, capsys):
     import sample
     path = tmp_path / "trace.html"
     path.write_text("an older trace")
-    sample.main([f"--out_dir={tiny_ckpt}", "--speculative", "--tree=3,2,1", "--max_new_tokens=30", "--start=def ",
-                 f"--trace={path}", "--device=cpu"])
+    sample.main([f"--out_dir={tiny_ckpt}", "--speculative", "--tree=3,2,1", "--max_new_tokens=30",
+                 "--start=def ", f"--trace={path}", "--device=cpu"])
     page = path.read_text()
     data = json.loads(re.search(r"const DATA = (.*?);\n", page).group(1))
     assert data["prompt"] == "def " and len(data["output"]) == 30 and data["passes"]
-    first_sample = capsys.readouterr().out.split("\n---------------\n")[0]
+    captured = capsys.readouterr()
+    first_sample = captured.out.split("\n---------------\n")[0]
     assert first_sample == "def " + "".join(c["text"] for c in data["chunks"])
     assert os.listdir(tmp_path) == ["trace.html"]
+    # the statistics count every forward pass, the trace only the decode passes: both say so
+    assert re.search(r", \d+ forward passes \(the prefill and any window rebuilds included\), ",
+                     captured.err)
+    assert (f"trace of {len(data['passes'])} decode passes (the prefill and window rebuilds are "
+            "not traced) written to") in captured.err
 
 
 def test_bench_plot_without_matplotlib_is_one_line_error(monkeypatch, tmp_path):
@@ -237,14 +258,31 @@ def test_bench_plot_without_matplotlib_is_one_line_error(monkeypatch, tmp_path):
 
 def test_bench_plot_draws_the_tree_search(tmp_path):
     pytest.importorskip("matplotlib")
-    from ss_mini import plot
+    from ss_mini.lab import plot
     with pytest.raises(UsageError, match="--tree=auto or --sweep"):
         plot.check(str(tmp_path / "s.png"), searched=False)
     with pytest.raises(UsageError, match="does not exist"):
         plot.check(str(tmp_path / "missing" / "s.png"))
     rows = [(spec, n, dict(speedup=s, mean_accepted=t)) for spec, n, s, t in
-            [("1,1,1", 4, 1.3, 2.0), ("3,2,1", 16, 1.1, 2.4), ("n8", 8, 1.4, 2.2), ("n16", 16, 1.2, 2.5)]]
+            [("1,1,1", 4, 1.3, 2.0), ("3,2,1", 16, 1.1, 2.4), ("n8", 8, 1.4, 2.2),
+             ("n16", 16, 1.2, 2.5)]]
     path = tmp_path / "s.png"
     path.write_bytes(b"old")
     plot.tree_search(rows, "n8", str(path), "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(tmp_path) == ["s.png"]
+
+
+def test_what_trace_and_plot_write_beside_the_scripts_stays_out_of_git():
+    """trace.html and --plot's figures written at the top level are ignored; docs/ figures are
+    not."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if shutil.which("git") is None or not os.path.exists(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "--no-index", "-q", path],
+                              cwd=root).returncode == 0
+
+    for path in ("trace.html", "search.png", "sweep.png", "search.svg", "search.pdf"):
+        assert ignored(path), path
+    assert not ignored("docs/trace.png") and not ignored("docs/sweep.png")

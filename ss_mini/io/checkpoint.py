@@ -33,17 +33,20 @@ def load_checkpoint(path, map_location="cpu"):
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: run python train.py first (or pass --out_dir)")
+        raise FileNotFoundError(f"no checkpoint at {path}: run python train.py first (or pass "
+                                "--out_dir)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise RuntimeError(f"{path} is not a readable ss_mini checkpoint ({type(e).__name__}); "
                            "retrain it or point to another one") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
-        raise RuntimeError(f"{path} is not an ss_mini checkpoint (no model/model_args); retrain it or point to another one")
+        raise RuntimeError(f"{path} is not an ss_mini checkpoint (no model/model_args); retrain it "
+                           "or point to another one")
     if looks_like_nanogpt(ckpt):
-        raise RuntimeError(f"{path} is a nanoGPT checkpoint: add streams to it with python train.py "
-                           f"--init_from=nanogpt:{path} --dataset=text:PATH (its training text), then use that out_dir")
+        raise RuntimeError(f"{path} is a nanoGPT checkpoint: add streams to it with python "
+                           f"train.py --init_from=nanogpt:{path} --dataset=text:PATH (its training "
+                           "text), then use that out_dir")
     return ckpt
 
 
@@ -69,7 +72,9 @@ def load_model(path, device="cpu", dtype=torch.float32):
 
 
 def training_data(ckpt):
-    """(folder, meta) of the tokenised dataset a checkpoint was trained on, prepared as train.py did."""
+    """(folder, meta) of the tokenised dataset a checkpoint was trained on, prepared as train.py
+    did."""
     tcfg = ckpt["config"]
-    chars = ckpt["tokenizer"].get("chars") if tcfg.get("meta_pkl") else None  # nanoGPT's vocabulary, not the dataset's
+    # nanoGPT's vocabulary, not the dataset's
+    chars = ckpt["tokenizer"].get("chars") if tcfg.get("meta_pkl") else None
     return prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["data_dir"], chars)

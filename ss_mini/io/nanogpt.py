@@ -31,15 +31,18 @@ import torch
 
 from ..model import GPT, GPTConfig
 
-ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")  # nanoGPT's model_args
+# nanoGPT's model_args
+ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
 PREFIX = "_orig_mod."  # torch.compile's wrapper
-GPT2_VOCAB = 50257  # GPT-2's BPE; nanoGPT pads the vocabulary of a model trained from scratch to 50304
+# GPT-2's BPE; nanoGPT pads the vocabulary of a model trained from scratch to 50304
+GPT2_VOCAB = 50257
 
 
 def looks_like_nanogpt(ckpt):
     """A nanoGPT checkpoint: model_args without any of ss_mini's stream fields."""
     args = ckpt.get("model_args") if isinstance(ckpt, dict) else None
-    return isinstance(args, dict) and "n_layer" in args and "n_streams" not in args and "tokenizer" not in ckpt
+    return (isinstance(args, dict) and "n_layer" in args and "n_streams" not in args
+            and "tokenizer" not in ckpt)
 
 
 class PlainUnpickler(pickle.Unpickler):
@@ -74,16 +77,18 @@ def read_meta(path):
             meta = PlainUnpickler(f).load()
     except Exception as e:  # a pickle can fail in many ways; none of them may run code
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ValueError(f"{path} is not plain data as nanoGPT's prepare.py writes it ({why}); {fix}") from None
+        raise ValueError(f"{path} is not plain data as nanoGPT's prepare.py writes it ({why}); "
+                         f"{fix}") from None
     if type(meta) is not dict or not is_plain(meta):
         raise ValueError(f"{path} holds other things than dicts, lists, strings and ints; {fix}")
     itos, size = meta.get("itos"), meta.get("vocab_size")
     if type(size) is not int or type(itos) is not dict or set(itos) != set(range(size)):
-        raise ValueError(f"{path} has no vocab_size and itos of ids 0..vocab_size-1, as nanoGPT's char-level "
-                         f"meta.pkl has; {fix}")
+        raise ValueError(f"{path} has no vocab_size and itos of ids 0..vocab_size-1, as nanoGPT's "
+                         f"char-level meta.pkl has; {fix}")
     chars = [itos[i] for i in range(size)]
     if any(type(c) is not str or len(c) != 1 for c in chars) or len(set(chars)) != size:
-        raise ValueError(f"{path}: itos must map every id to a distinct single character (a char-level vocabulary); {fix}")
+        raise ValueError(f"{path}: itos must map every id to a distinct single character (a "
+                         f"char-level vocabulary); {fix}")
     if "stoi" in meta and meta["stoi"] != {c: i for i, c in enumerate(chars)}:
         raise ValueError(f"{path}: stoi is not the inverse of itos; {fix}")
     return "".join(chars)
@@ -99,36 +104,42 @@ def find_meta(ckpt_path, ckpt, dataset, meta_pkl=""):
         looked.append(os.path.join(os.path.dirname(os.path.abspath(dataset[5:])), "meta.pkl"))
     name = ckpt["config"].get("dataset") if isinstance(ckpt.get("config"), dict) else None
     if isinstance(name, str) and name:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))  # nanoGPT/out-.../ckpt.pt -> nanoGPT
+        # nanoGPT/out-.../ckpt.pt -> nanoGPT
+        root = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))
         looked.append(os.path.join(root, "data", name, "meta.pkl"))
     return next((p for p in looked if os.path.isfile(p)), ""), looked
 
 
 def read_checkpoint(spec):
-    """(path, checkpoint) of nanoGPT's out_dir or ckpt.pt, checked to be what its train.py writes."""
+    """(path, checkpoint) of nanoGPT's out_dir or ckpt.pt, checked to be what its train.py
+    writes."""
     path = os.path.join(spec, "ckpt.pt") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--init_from=nanogpt:{spec}: no file {path}; give nanoGPT's out_dir "
-                                "(e.g. ../nanoGPT/out-shakespeare-char) or its ckpt.pt")
+        raise FileNotFoundError(f"--init_from=nanogpt:{spec}: no file {path}; give nanoGPT's "
+                                "out_dir (e.g. ../nanoGPT/out-shakespeare-char) or its ckpt.pt")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"{path} is not a checkpoint that torch.load(weights_only=True) reads ({why}); "
-                           "give the ckpt.pt that nanoGPT's train.py wrote") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("model_args"), dict):
+        raise RuntimeError(f"{path} is not a checkpoint that torch.load(weights_only=True) reads "
+                           f"({why}); give the ckpt.pt that nanoGPT's train.py wrote") from None
+    if (not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict)
+            or not isinstance(ckpt.get("model_args"), dict)):
         raise RuntimeError(f"{path} is not a nanoGPT checkpoint (no 'model' and 'model_args'); "
                            "give the ckpt.pt that nanoGPT's train.py wrote")
     if not looks_like_nanogpt(ckpt) and "n_streams" in ckpt["model_args"]:
-        raise RuntimeError(f"{path} is an ss_mini checkpoint, not nanoGPT's: fine-tune it with --init_from={path}")
+        raise RuntimeError(f"{path} is an ss_mini checkpoint, not nanoGPT's: fine-tune it with "
+                           f"--init_from={path}")
     args = ckpt["model_args"]
     missing = [k for k in ARGS if k not in args and k != "dropout"]
     if missing:
-        raise RuntimeError(f"{path} is not a nanoGPT checkpoint: its model_args lack {', '.join(missing)}")
+        raise RuntimeError(f"{path} is not a nanoGPT checkpoint: its model_args lack "
+                           f"{', '.join(missing)}")
     extra = sorted(k for k in args if k not in ARGS)
     if extra:
-        raise RuntimeError(f"{path} has model_args {', '.join(extra)}, which karpathy/nanoGPT's GPT does not: a modified "
-                           "nanoGPT, whose model this import would not reproduce exactly")
+        raise RuntimeError(f"{path} has model_args {', '.join(extra)}, which karpathy/nanoGPT's "
+                           "GPT does not: a modified nanoGPT, whose model this import would not "
+                           "reproduce exactly")
     return path, ckpt
 
 
@@ -140,31 +151,14 @@ def import_nanogpt(spec, dataset="", meta_pkl="", block_size=None):
     path, ckpt = read_checkpoint(spec)
     a = ckpt["model_args"]
     try:
-        config = GPTConfig(n_layer=int(a["n_layer"]), n_head=int(a["n_head"]), n_embd=int(a["n_embd"]),
-                           block_size=int(a["block_size"]), vocab_size=int(a["vocab_size"]), bias=bool(a["bias"]),
-                           dropout=float(a.get("dropout", 0.0)), n_streams=0, gelu_approximate="none")
+        config = GPTConfig(n_layer=int(a["n_layer"]), n_head=int(a["n_head"]),
+                           n_embd=int(a["n_embd"]), block_size=int(a["block_size"]),
+                           vocab_size=int(a["vocab_size"]), bias=bool(a["bias"]),
+                           dropout=float(a.get("dropout", 0.0)), n_streams=0,
+                           gelu_approximate="none")
     except (TypeError, ValueError) as e:
         raise RuntimeError(f"{path}: model_args {dict(a)} do not describe a GPT ({e})") from None
-    state = {}
-    for key, value in ckpt["model"].items():
-        key = key.removeprefix(PREFIX)
-        if not key.endswith(".attn.bias"):  # the causal mask of nanoGPT's slow attention path, not a weight
-            state[key] = value
-    with torch.device("meta"):  # the names and shapes only: nothing is allocated or initialised
-        ours = {k: v.shape for k, v in GPT(config).state_dict().items()}
-    unexpected = sorted(set(state) - set(ours))
-    missing = sorted(set(ours) - set(state))
-    if unexpected or missing:
-        raise RuntimeError(f"{path} does not hold nanoGPT's GPT: " + "; ".join(
-            f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-            for what, keys in (("unexpected", unexpected), ("missing", missing)) if keys))
-    for key, value in state.items():
-        if not torch.is_tensor(value) or value.shape != ours[key]:
-            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise RuntimeError(f"{path}: {key} is {got}, its model_args give a tensor of shape {tuple(ours[key])}")
-    if not torch.equal(state["transformer.wte.weight"], state["lm_head.weight"]):
-        raise RuntimeError(f"{path}: lm_head and wte differ, and nanoGPT's GPT ties them: a modified nanoGPT, whose "
-                           "model this import would not reproduce exactly")
+    state = nanogpt_state(path, ckpt, config)
     if block_size and block_size < config.block_size:
         config.block_size = block_size
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size]
@@ -172,14 +166,45 @@ def import_nanogpt(spec, dataset="", meta_pkl="", block_size=None):
     if found:
         chars = read_meta(found)
         if len(chars) != config.vocab_size:
-            raise ValueError(f"{found} has {len(chars)} characters but {path} a vocabulary of {config.vocab_size}: "
-                             "give --meta_pkl=PATH of the meta.pkl of the dataset nanoGPT trained it on")
+            raise ValueError(f"{found} has {len(chars)} characters but {path} a vocabulary of "
+                             f"{config.vocab_size}: give --meta_pkl=PATH of the meta.pkl of the "
+                             "dataset nanoGPT trained it on")
         tokenizer = {"tokenizer": "char", "chars": chars}
     elif config.vocab_size >= GPT2_VOCAB:
         tokenizer = {"tokenizer": "gpt2"}
     else:
-        raise FileNotFoundError(f"{path} has a vocabulary of {config.vocab_size} (char level?) and there is no meta.pkl "
-                                f"at {' or '.join(looked) or 'the dataset'}: give --meta_pkl=PATH of the meta.pkl "
-                                "nanoGPT's prepare.py wrote for its dataset")
+        raise FileNotFoundError(f"{path} has a vocabulary of {config.vocab_size} (char level?) and "
+                                f"there is no meta.pkl at {' or '.join(looked) or 'the dataset'}: "
+                                "give --meta_pkl=PATH of the meta.pkl nanoGPT's prepare.py wrote "
+                                "for its dataset")
     return {"model": state, "model_args": asdict(config), "tokenizer": tokenizer,
             "meta_pkl": os.path.abspath(found) if found else "", "source": path, "config": {}}
+
+
+def nanogpt_state(path, ckpt, config):
+    """The checkpoint's weights under ss_mini's names, checked to be exactly those of
+    nanoGPT's GPT of this config, with wte and lm_head tied."""
+    state = {}
+    for key, value in ckpt["model"].items():
+        key = key.removeprefix(PREFIX)
+        # the causal mask of nanoGPT's slow attention path, not a weight
+        if not key.endswith(".attn.bias"):
+            state[key] = value
+    with torch.device("meta"):  # the names and shapes only: nothing is allocated or initialised
+        ours = {k: v.shape for k, v in GPT(config).state_dict().items()}
+    unexpected = sorted(set(state) - set(ours))
+    missing = sorted(set(ours) - set(state))
+    if unexpected or missing:
+        raise RuntimeError(f"{path} does not hold nanoGPT's GPT: " + "; ".join(
+            f"{what} {', '.join(keys[:3])}"
+            + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            for what, keys in (("unexpected", unexpected), ("missing", missing)) if keys))
+    for key, value in state.items():
+        if not torch.is_tensor(value) or value.shape != ours[key]:
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise RuntimeError(f"{path}: {key} is {got}, its model_args give a tensor of shape "
+                               f"{tuple(ours[key])}")
+    if not torch.equal(state["transformer.wte.weight"], state["lm_head.weight"]):
+        raise RuntimeError(f"{path}: lm_head and wte differ, and nanoGPT's GPT ties them: a "
+                           "modified nanoGPT, whose model this import would not reproduce exactly")
+    return state

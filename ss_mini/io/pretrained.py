@@ -35,7 +35,8 @@ def find_gpt2_files(spec):
         files = [os.path.join(spec, w) for w in WEIGHT_FILES]
     else:
         name = "models--" + spec.replace("/", "--")
-        snapshots = [f for d in _hf_cache_dirs() for f in sorted(glob.glob(os.path.join(d, name, "snapshots", "*")))]
+        snapshots = [f for d in _hf_cache_dirs()
+                     for f in sorted(glob.glob(os.path.join(d, name, "snapshots", "*")))]
         looked += [os.path.join(d, name) for d in _hf_cache_dirs()]
         files = [os.path.join(f, w) for f in snapshots for w in WEIGHT_FILES]
     for w in files:
@@ -44,9 +45,9 @@ def find_gpt2_files(spec):
         if os.path.isfile(w) and os.path.isfile(cfg):
             return cfg, w
     raise FileNotFoundError(
-        f"no GPT-2 weights (config.json + {' or '.join(WEIGHT_FILES)}) for {spec!r}; looked at: {', '.join(looked)}. "
-        "Get them on a machine with internet (huggingface-cli download gpt2 config.json model.safetensors "
-        "--local-dir DIR) and pass DIR")
+        f"no GPT-2 weights (config.json + {' or '.join(WEIGHT_FILES)}) for {spec!r}; looked at: "
+        f"{', '.join(looked)}. Get them on a machine with internet (huggingface-cli download gpt2 "
+        "config.json model.safetensors --local-dir DIR) and pass DIR")
 
 
 def read_state_dict(path):
@@ -54,7 +55,8 @@ def read_state_dict(path):
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise RuntimeError(f"{path} is safetensors: pip install safetensors (or pip install -e \".[gpt2]\")") from None
+            raise RuntimeError(f"{path} is safetensors: pip install safetensors (or pip install "
+                               "-e \".[gpt2]\")") from None
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -66,8 +68,9 @@ def load_gpt2(spec, **stream_args):
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{cfg_path} describes a {hf.get('model_type')!r} model, not GPT-2")
     config = GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                       block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), vocab_size=hf["vocab_size"],
-                       bias=True, **{"dropout": 0.0, "n_streams": 0, **stream_args})
+                       block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                       vocab_size=hf["vocab_size"], bias=True,
+                       **{"dropout": 0.0, "n_streams": 0, **stream_args})
     model = GPT(config)
     ours = model.state_dict()
     loaded = set()
@@ -77,14 +80,17 @@ def load_gpt2(spec, **stream_args):
             continue  # causal-mask buffers; the head is tied to wte
         name = "transformer." + key
         if name not in ours:
-            raise RuntimeError(f"{weights} has a weight {key!r} that GPT-2 does not: is it a GPT-2 checkpoint?")
+            raise RuntimeError(f"{weights} has a weight {key!r} that GPT-2 does not: is it a GPT-2 "
+                               "checkpoint?")
         value = value.t() if key.endswith(TRANSPOSED) else value
         if value.shape != ours[name].shape:
-            raise RuntimeError(f"{weights}: {key} has shape {tuple(value.shape)}, expected {tuple(ours[name].shape)}")
+            raise RuntimeError(f"{weights}: {key} has shape {tuple(value.shape)}, expected "
+                               f"{tuple(ours[name].shape)}")
         with torch.no_grad():
             ours[name].copy_(value)
         loaded.add(name)
-    missing = [k for k in ours if k not in loaded and k.startswith("transformer.") and not GPT.is_draft_param(k)]
+    missing = [k for k in ours if k not in loaded and k.startswith("transformer.")
+               and not GPT.is_draft_param(k)]
     if missing:
         raise RuntimeError(f"{weights} lacks {len(missing)} GPT-2 weights, e.g. {missing[0]}")
     return model

@@ -54,14 +54,16 @@ def run_interleaved(prompts, decoders):
 
 def run_pair(model, prompts, tree, kw):
     """AR and SS on the same prompts, interleaved."""
-    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)])
+    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
+                                     speculative(model, tree, kw)])
+
 
 def speculative(model, tree, kw):
-    """The decoder of a tree: Speculative Streaming, or plain decoding for the tree `none` (None)."""
+    """The decoder of a tree: Speculative Streaming, or plain decoding for the tree `none`
+    (None)."""
     if tree is None:
         return lambda p: generate_ar(model, p, **kw)
     return lambda p: generate_speculative(model, p, tree=tree, **kw)
-
 
 
 def repeat_rate(outputs, n=12):
@@ -81,7 +83,8 @@ def repeat_rate(outputs, n=12):
 
 def rows_of(results):
     """The output of every row of (output, Stats) results, a batch's rows one by one."""
-    return [row for out, _ in results for row in (out if out and isinstance(out[0], list) else [out])]
+    return [row for out, _ in results
+            for row in (out if out and isinstance(out[0], list) else [out])]
 
 
 def summarize(ar, ss):
@@ -93,10 +96,12 @@ def summarize(ar, ss):
     accepted = [a for _, s in ss for a in s.accepted]
     nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
-    cr = (toks(ss) / passes(ss)) / (toks(ar) / passes(ar))  # the spans of a batch end at different tokens
+    # the spans of a batch end at different tokens
+    cr = (toks(ss) / passes(ss)) / (toks(ar) / passes(ar))
     ar_rows, ss_rows = rows_of(ar), rows_of(ss)
     match = [a == b for a, b in zip(ar_rows, ss_rows)]
-    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                           min(len(a), len(b))))
                   for i, (a, b) in enumerate(zip(ar_rows, ss_rows)) if a != b), None)
     latency = lambda rs: statistics.mean(t for _, s in rs for t in (s.row_seconds or [s.seconds]))
     hist = {}
@@ -106,9 +111,11 @@ def summarize(ar, ss):
     return dict(ar_tokens_per_s=ar_tps, ss_tokens_per_s=ss_tps, speedup=ss_tps / ar_tps,
                 drained_speedup=whole(ss) / whole(ar),
                 mean_accepted=sum(accepted) / max(1, len(accepted)), call_reduction=cr,
-                efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match), first_divergence=first,
-                ar_ms_per_pass=1000 * secs(ar) / passes(ar), ss_ms_per_pass=1000 * secs(ss) / passes(ss),
-                accepted_histogram=dict(sorted(hist.items())), new_tokens=sum(s.new_tokens for _, s in ss),
+                efficiency=ss_tps / ar_tps / cr, match_rate=sum(match) / len(match),
+                first_divergence=first, ar_ms_per_pass=1000 * secs(ar) / passes(ar),
+                ss_ms_per_pass=1000 * secs(ss) / passes(ss),
+                accepted_histogram=dict(sorted(hist.items())),
+                new_tokens=sum(s.new_tokens for _, s in ss),
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate(ar_rows),
                 ar_latency_s=latency(ar), ss_latency_s=latency(ss))
 
@@ -118,8 +125,9 @@ def over_runs(summaries):
     run's metrics, with the speedup of every run and their range."""
     speedups = [r["speedup"] for r in summaries]
     median = sorted(range(len(summaries)), key=lambda i: speedups[i])[(len(summaries) - 1) // 2]
-    return {**summaries[median], "speedups": speedups, "speedup_range": [min(speedups), max(speedups)],
-            "runs": len(summaries), "median_run": median, "match_rate": min(r["match_rate"] for r in summaries)}
+    return {**summaries[median], "speedups": speedups,
+            "speedup_range": [min(speedups), max(speedups)], "runs": len(summaries),
+            "median_run": median, "match_rate": min(r["match_rate"] for r in summaries)}
 
 
 def prompt_speedups(ar, ss, busy=False):
@@ -146,10 +154,11 @@ def machine(device, dtype):
     else:
         name = platform.processor() or platform.machine() or "unknown processor"
         if os.path.exists("/proc/cpuinfo"):
-            models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+            models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                      if line.startswith("model name")]
             name = models[0] if models else name
-    return dict(processor=name, device=device, threads=torch.get_num_threads(), torch=torch.__version__,
-                dtype=str(dtype).replace("torch.", ""))
+    return dict(processor=name, device=device, threads=torch.get_num_threads(),
+                torch=torch.__version__, dtype=str(dtype).replace("torch.", ""))
 
 
 def products(model, n_nodes, draft_depth=None, batch_size=1):
@@ -169,7 +178,8 @@ def products(model, n_nodes, draft_depth=None, batch_size=1):
 
     def run():
         for block, r in zip(model.transformer.h, rows):
-            block.attn.c_attn(x[r]), block.attn.c_proj(x[r]), block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
+            block.attn.c_attn(x[r]), block.attn.c_proj(x[r])
+            block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
         if g and n * (1 + g) <= HEAD_ROWS:
             model.lm_head(x[n * (1 + g)])
             return
@@ -244,9 +254,11 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     caches = {n: _prefill(model, rows, t.draft_depth, t.max_len) for n, t in trees.items()}
     caches["ar"] = _prefill(model, rows, 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
-    max_depth = depth_limit(model, caches["ar"][0], [L], cfg.n_drafts)  # as decoding has it at this length
+    # as decoding has it at this length
+    max_depth = depth_limit(model, caches["ar"][0], [L], cfg.n_drafts)
 
-    plain, spec = _step(model, ar_step), _step(model, speculative_step)  # compiled for a `compiled` model
+    # compiled for a `compiled` model
+    plain, spec = _step(model, ar_step), _step(model, speculative_step)
 
     def ar():
         plain(model, caches["ar"][0], root, sampler, window).tolist()
@@ -257,12 +269,14 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),
                 **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},
-                **{f"products {n}": products(model, n, t.draft_depth, batch_size) for n, t in trees.items()}}
+                **{f"products {n}": products(model, n, t.draft_depth, batch_size)
+                   for n, t in trees.items()}}
     times = {k: [] for k in steps_of}
     for i in range(warmup + steps):
         keys = list(steps_of)
         for k in keys[i % len(keys):] + keys[:i % len(keys)]:
-            for warm in (False, True):  # time the second of two: in decoding a step follows its own kind
+            # time the second of two: in decoding a step follows its own kind
+            for warm in (False, True):
                 synchronize(dev)
                 t0 = time.perf_counter()
                 steps_of[k]()
@@ -279,5 +293,5 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
 
 def unreliable(what):
     """Warn, on stderr, that a measurement cannot be right as measured."""
-    print(f"warning: {what}: another process is probably competing for the cores, so these measurements are "
-          "unreliable; rerun on an idle machine", file=sys.stderr, flush=True)
+    print(f"warning: {what}: another process is probably competing for the cores, so these "
+          "measurements are unreliable; rerun on an idle machine", file=sys.stderr, flush=True)

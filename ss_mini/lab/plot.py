@@ -12,16 +12,19 @@ FORMATS = (".png", ".svg", ".pdf")
 
 
 def check(path, searched=True):
-    """Before any work: matplotlib is there, the file can be written, and there is something to draw."""
+    """Before any work: matplotlib is there, the file can be written, and there is something to
+    draw."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UsageError('--plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') from None
+        raise UsageError('--plot needs matplotlib: pip install -e ".[plot]" (or pip install '
+                         'matplotlib)') from None
     if os.path.splitext(path)[1].lower() not in FORMATS:
         raise UsageError(f"--plot={path}: give a file name ending in {', '.join(FORMATS)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"--plot={path}: the folder {folder} does not exist; create it or pick another path")
+        raise UsageError(f"--plot={path}: the folder {folder} does not exist; create it or pick "
+                         "another path")
     if not searched:
         raise UsageError("--plot draws the tree search of one model: use --tree=auto or --sweep, "
                          "without --compare, --pass_cost or --suite")
@@ -40,21 +43,25 @@ def tree_search(rows, best, path, title="", tie_margin=0.0, n_streams=0):
     fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     for ax, key, label in ((axes[0], "speedup", "speedup over autoregressive"),
-                           (axes[1], "mean_accepted", "\u03c4: tokens per pass (accepted drafts + 1)")):
+                           (axes[1], "mean_accepted",
+                            "\u03c4: tokens per pass (accepted drafts + 1)")):
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.annotate("autoregressive", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(3, 3),
                     textcoords="offset points", color="gray", fontsize=8)
         budget = sorted((n, r[key]) for spec, n, r in rows if spec.startswith("n"))
         if budget:
-            ax.plot(*zip(*budget), "s-", color="tab:orange", markersize=5, linewidth=1, label="node budget (nN)")
+            ax.plot(*zip(*budget), "s-", color="tab:orange", markersize=5, linewidth=1,
+                    label="node budget (nN)")
         cart = [(n, r[key]) for spec, n, r in rows if not spec.startswith("n")]
         if cart:
-            ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6, label="top-k per depth (k,k,k)")
-        for spec, n, r in rows:  # budget labels left of their points, Cartesian ones right: they share node counts
+            ax.plot(*zip(*cart), "o", color="tab:blue", markersize=6,
+                    label="top-k per depth (k,k,k)")
+        # budget labels left of their points, Cartesian ones right: they share node counts
+        for spec, n, r in rows:
             budget = spec.startswith("n")
-            ax.annotate(same_as_chain(spec, n_streams), (n, r[key]), textcoords="offset points", fontsize=7,
-                        xytext=(-5, 3) if budget else (5, -3), ha="right" if budget else "left",
-                        va="bottom" if budget else "top")
+            ax.annotate(same_as_chain(spec, n_streams), (n, r[key]), textcoords="offset points",
+                        fontsize=7, xytext=(-5, 3) if budget else (5, -3),
+                        ha="right" if budget else "left", va="bottom" if budget else "top")
             if spec == best:
                 ax.plot([n], [r[key]], "*", color="tab:red", markersize=16, zorder=3,
                         label=f"chosen: {same_as_chain(spec, n_streams)}")
@@ -93,11 +100,13 @@ def batch_sweep(rows, path, title=""):
     fig = Figure(figsize=(6, 4), dpi=100, layout="constrained")
     ax = fig.subplots()
     bs = [r["batch_size"] for r in rows]
-    ax.plot(bs, [r["ar_tokens_per_s"] for r in rows], "o-", color="gray", label="plain (autoregressive)")
-    ax.plot(bs, [r["ss_tokens_per_s"] for r in rows], "s-", color="tab:blue", label="speculative, tree chosen per size")
+    ax.plot(bs, [r["ar_tokens_per_s"] for r in rows], "o-", color="gray",
+            label="plain (autoregressive)")
+    ax.plot(bs, [r["ss_tokens_per_s"] for r in rows], "s-", color="tab:blue",
+            label="speculative, tree chosen per size")
     for r in rows:
-        ax.annotate(r["tree"], (r["batch_size"], r["ss_tokens_per_s"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)
+        ax.annotate(r["tree"], (r["batch_size"], r["ss_tokens_per_s"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(bs, [str(b) for b in bs])

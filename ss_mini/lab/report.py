@@ -23,9 +23,11 @@ def side_by_side(columns, width=40, lines=3):
     a line of nothing but spaces says how many, since a blank column would hide them."""
     cells = []
     for title, text in columns:
-        rows = ["".join(c if c.isprintable() else "?" for c in row) for row in text.expandtabs(4).split("\n")[:lines]]
+        rows = ["".join(c if c.isprintable() else "?" for c in row)
+                for row in text.expandtabs(4).split("\n")[:lines]]
         rows = [f"({len(row)} spaces)" if row and not row.strip(" ") else row for row in rows]
-        cells.append([title, "-" * width] + [row if len(row) <= width else row[:width - 1] + "…" for row in rows])
+        cells.append([title, "-" * width]
+                     + [row if len(row) <= width else row[:width - 1] + "…" for row in rows])
     depth = max(len(c) for c in cells)
     cells = [c + [""] * (depth - len(c)) for c in cells]
     return [" | ".join(f"{c[i]:<{width}}" for c in cells).rstrip() for i in range(depth)]
@@ -36,36 +38,56 @@ def speedup_cell(x, lo, hi):
 
 
 def suite_markdown(doc):
+    return "\n".join(table_markdown(doc) + example_markdown(doc["worked_example"]))
+
+
+def table_markdown(doc):
+    """The results table's lines: the machine, one row per SUITE row, and the notes under it."""
     m, rows = doc["machine"], doc["rows"]
     threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
-    out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch {m['torch']}, "
-           f"{m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row the median of "
-           f"{doc['repeats']} runs (the range in brackets), the rows taking turns run by run.", "",
-           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ | CR | output repeats |",
+    out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch "
+           f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row "
+           f"the median of {doc['repeats']} runs (the range in brackets), the rows taking turns "
+           "run by run.", "",
+           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ | "
+           "CR | output repeats |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         text = "held-out" if r["prompts"] == "held-out" else f"never seen, `{r['prompts']}`"
-        out.append(f"| {r['dataset']} (`{r['checkpoint']}`) | {text}, {r['n_prompts']} prompts | {r['decoding']} | "
-                   f"`{r['command']}` | {r['tree']} | {r['ar_tokens_per_s']:,.0f} | {r['ss_tokens_per_s']:,.0f} | "
-                   f"{speedup_cell(r['speedup'], *r['speedup_range'])} | {r['mean_accepted']:.2f} | "
-                   f"{r['call_reduction']:.2f} | {r['repeat_rate']:.0%}{' †' if r['repeat_rate'] > 0.5 else ''} |")
-    out += ["", "τ: tokens per speculative pass (accepted drafts + 1); CR: autoregressive passes / speculative passes; "
-            "output repeats: the share of the autoregressive output's 12-grams that occurred earlier in it; tree: the "
-            "one the tree search picked on calibration prompts kept apart from the reported ones; tokens/s, τ and CR "
-            "are the median run's (definitions: `ss_mini/lab/measure.py`)."]
+        out.append(f"| {r['dataset']} (`{r['checkpoint']}`) | {text}, {r['n_prompts']} prompts | "
+                   f"{r['decoding']} | `{r['command']}` | {r['tree']} | "
+                   f"{r['ar_tokens_per_s']:,.0f} | {r['ss_tokens_per_s']:,.0f} | "
+                   f"{speedup_cell(r['speedup'], *r['speedup_range'])} | "
+                   f"{r['mean_accepted']:.2f} | {r['call_reduction']:.2f} | "
+                   f"{r['repeat_rate']:.0%}{' †' if r['repeat_rate'] > 0.5 else ''} |")
+    out += ["", "τ: tokens per speculative pass (accepted drafts + 1); CR: autoregressive passes "
+            "/ speculative passes; output repeats: the share of the autoregressive output's "
+            "12-grams that occurred earlier in it; tree: the one the tree search picked on "
+            "calibration prompts kept apart from the reported ones; tokens/s, τ and CR are the "
+            "median run's (definitions: `ss_mini/lab/measure.py`)."]
+    if any(r["tree"] == "none" for r in rows):
+        out.append("Tree none: no tree beat plain decoding on the calibration prompts, so the row "
+                   "decodes plainly (speedup 1.00×: the same runs in both columns).")
     if any(r["repeat_rate"] > 0.5 for r in rows):
-        out.append("† More than half of the output repeats itself: most of this speedup is drafting repeated text.")
+        out.append("† More than half of the output repeats itself: most of this speedup is "
+                   "drafting repeated text.")
     greedy = [r["match_rate"] for r in rows if r["temperature"] == 0]
     if greedy:
-        out.append(f"Greedy outputs identical to autoregressive decoding on {min(greedy):.0%} of prompts"
-                   + (" in every run." if min(greedy) == 1 else " in the worst run."))
-    out += [f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}." for c in doc["checkpoints"]]
-    ex = doc["worked_example"]
+        out.append(f"Greedy outputs identical to autoregressive decoding on {min(greedy):.0%} of "
+                   "prompts" + (" in every run." if min(greedy) == 1 else " in the worst run."))
+    out += [f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}."
+            for c in doc["checkpoints"]]
+    return out
+
+
+def example_markdown(ex):
+    """The worked example's lines: the prompt, greedy against sampled, and the commands."""
     g, s = ex["greedy"], ex["sampled"]
-    out += ["", "### Worked example", "",
-            f"The held-out prompt of the first row whose greedy τ is the median of its {ex['n_prompts']} (prompt "
-            f"{ex['prompt_index']}; the lower middle for an even count, ties to the earlier prompt): a rule picks it, "
-            "so it is representative rather than chosen by hand, and it changes when the model does. The prompt ends:",
+    return ["", "### Worked example", "",
+            f"The held-out prompt of the first row whose greedy τ is the median of its "
+            f"{ex['n_prompts']} (prompt {ex['prompt_index']}; the lower middle for an even count, "
+            "ties to the earlier prompt): a rule picks it, so it is representative rather than "
+            "chosen by hand, and it changes when the model does. The prompt ends:",
             "", "```", *ex["prompt"].expandtabs(4).split("\n")[-3:], "```", "",
             f"| | greedy | T = {s['temperature']:g} |", "|---|---|---|",
             f"| tree | {g['tree']} | {s['tree']} |",
@@ -73,9 +95,10 @@ def suite_markdown(doc):
             f"| speedup on this prompt | {speedup_cell(g['speedup'], *g['speedup_range'])} | "
             f"{speedup_cell(s['speedup'], *s['speedup_range'])} |",
             f"| output repeats | {g['repeat_rate']:.0%} | {s['repeat_rate']:.0%} |", "",
-            "The first lines of each continuation (the sampled one as `--speculative` draws it; plain sampling draws "
-            "other tokens from the same distribution):", "", "```",
-            *side_by_side([("greedy", g["continuation"]), (f"T = {s['temperature']:g}", s["continuation"])]), "```", "",
-            "To reproduce (sample.py prints the tokens per pass and tokens/s on stderr; the greedy text is the same "
-            "without `--speculative`):", "", "```", *g["commands"], *s["commands"], "```"]
-    return "\n".join(out)
+            "The first lines of each continuation (the sampled one as `--speculative` draws it; "
+            "plain sampling draws other tokens from the same distribution):", "", "```",
+            *side_by_side([("greedy", g["continuation"]),
+                           (f"T = {s['temperature']:g}", s["continuation"])]), "```", "",
+            "To reproduce (sample.py prints the tokens per pass and tokens/s on stderr; the greedy "
+            "text is the same without `--speculative`):", "", "```", *g["commands"],
+            *s["commands"], "```"]

@@ -31,10 +31,12 @@ def check_path(path):
     one-line ValueError otherwise, before any decoding."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in EXTENSIONS:
-        raise ValueError(f"--trace={path}: give a file name ending in .html (a page to open in a browser) or .json")
+        raise ValueError(f"--trace={path}: give a file name ending in .html (a page to open in a "
+                         "browser) or .json")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"--trace={path}: the folder {folder} does not exist; create it or pick another path")
+        raise ValueError(f"--trace={path}: the folder {folder} does not exist; create it or pick "
+                         "another path")
     if os.path.isdir(path):
         raise ValueError(f"--trace={path} is a folder: give a file name ending in .html or .json")
     if not os.access(folder, os.W_OK):
@@ -59,10 +61,12 @@ def sparse_mask(mask, L):
     see = mask == 0 if mask.dtype != torch.bool else mask
     prefix, rest = see[:, :L], see[:, L:]
     if L and not torch.equal(prefix.all(1), prefix.any(1)):
-        raise ValueError("a row sees part of the cached prefix: the prefix cannot be collapsed to one column")
+        raise ValueError("a row sees part of the cached prefix: the prefix cannot be collapsed to "
+                         "one column")
     rows = []
     for r, keys in enumerate(rest.tolist()):
-        rows.append(([0] if L and bool(prefix[r, 0]) else []) + [k + 1 for k, v in enumerate(keys) if v])
+        rows.append(([0] if L and bool(prefix[r, 0]) else [])
+                    + [k + 1 for k, v in enumerate(keys) if v])
     return rows
 
 
@@ -98,18 +102,20 @@ def record(step, decode):
     nodes = []
     for u in range(drafted.n_nodes):
         p = drafted.parents[u]
-        # rejected: the main stream emitted another token at its parent. A child of the path that
-        # carries the token emitted there and was not accepted lies past the block's end (a fixed
-        # shape keeps such nodes; a pass never accepts them): the pass could not reach it
+        # rejected: the main stream emitted another token at its parent; unreached: a child of the
+        # path that carries the token emitted there and was not accepted lies past the block's
+        # end (a fixed shape keeps such nodes, a pass never accepts them)
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
                   else "rejected" if p in on_path and tokens[u] != emitted[p] else "unreached")
-        nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u], parent=p,
-                          rank=drafted.ranks[u], q_prob=q_prob[u], emitted=emitted[u],
-                          emitted_text=None if emitted[u] is None else decode([emitted[u]]), status=status))
+        nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u],
+                          parent=p, rank=drafted.ranks[u], q_prob=q_prob[u], emitted=emitted[u],
+                          emitted_text=None if emitted[u] is None else decode([emitted[u]]),
+                          status=status))
     g = step["draft_depth"]
     mask = shape.mask(L)
     if mask.shape[0] != shape.n_nodes * (1 + g):
-        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes with {g} streams each")
+        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes with {g} "
+                           "streams each")
     return dict(cache_length=L, root=tokens[0], nodes=nodes, path=path, next_root=step["next_root"],
                 next_root_text=decode([step["next_root"]]), accepted=len(path), kept=kept,
                 pruned=[u for u in range(drafted.n_nodes) if u not in alive], n_streams=g,
@@ -142,7 +148,8 @@ class Trace:
     """Records the passes of one generate_speculative call: pass `on_pass` to it, then `finish`."""
 
     def __init__(self, decode, eot=None, **settings):
-        self.decode, self.eot, self.settings, self.passes, self.data = decode, eot, settings, [], None
+        self.decode, self.eot, self.settings = decode, eot, settings
+        self.passes, self.data = [], None
 
     def on_pass(self, step):
         self.passes.append(record(step, self.decode))
@@ -155,7 +162,8 @@ class Trace:
         output = list(output)
         stream = output[:1] + [t for p in self.passes for t in
                                [p["nodes"][u]["token"] for u in p["path"][1:]] + [p["next_root"]]]
-        end = len(output) + (len(stream) > len(output) and self.eot is not None and stream[len(output)] == self.eot)
+        end = len(output) + (len(stream) > len(output) and self.eot is not None
+                             and stream[len(output)] == self.eot)
         chunks = [{"pass": None, "text": self.decode(output[:1])}] if output else []
         start = 1
         for k, p in enumerate(self.passes):
@@ -163,8 +171,9 @@ class Trace:
             if start < len(output):
                 chunks.append({"pass": k, "text": self.decode(output[start:start + p["accepted"]])})
             start += p["accepted"]
-        self.data = dict(version=1, settings=self.settings, prompt=self.decode(list(prompt)), output=output,
-                         chunks=chunks, passes=self.passes, summary=summary(self.passes))
+        self.data = dict(version=1, settings=self.settings, prompt=self.decode(list(prompt)),
+                         output=output, chunks=chunks, passes=self.passes,
+                         summary=summary(self.passes))
         return self.data
 
     def save(self, path):

@@ -28,7 +28,7 @@ def validation_prompts(ckpt, tok, n, length):
     newline = tok.encode("\n")[0] if tok.kind == "char" else None
     prompts = []
     for start in np.linspace(0, len(val) - length - 1, n + 1, dtype=np.int64)[:n]:
-        if newline is not None:  # begin after a newline, so a prompt is whole lines of code or verse
+        if newline is not None:  # begin after a newline: a prompt is whole lines of code or verse
             nl = np.flatnonzero(val[start:start + length] == newline)
             start += int(nl[0]) + 1 if len(nl) else 0
         prompts.append([int(t) for t in val[start:start + length]])
@@ -43,7 +43,8 @@ def file_prompts(path, tok):
             try:
                 out.append(tok.encode(json.loads(line)["prompt"]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise UsageError(f'{path}:{i} is not a JSON object with a "prompt" string') from None
+                raise UsageError(f'{path}:{i} is not a JSON object with a "prompt" '
+                                 'string') from None
     if not out:
         raise UsageError(f"{path} holds no prompts")
     return out
@@ -61,14 +62,16 @@ def pick_prompts(cfg, ckpt, tok):
             return prompts[:cfg["num_prompts"]], prompts
         return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
     both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
-    prompts = [p for i, p in enumerate(both) if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
+    prompts = [p for i, p in enumerate(both)
+               if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
     return prompts, both[3::4][:n_cal]
 
 
 def decode_kwargs(cfg, tok):
     """The decoders' keyword arguments from bench's config."""
-    return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"] or None,
-                top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot, batch_size=cfg["batch_size"])
+    return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                top_k=cfg["top_k"] or None, top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot,
+                batch_size=cfg["batch_size"])
 
 
 def tree_search(model, calibration, cfg, kw, log):
@@ -85,16 +88,20 @@ def tree_search(model, calibration, cfg, kw, log):
     so a burst of load on this machine spreads over many candidates instead of deciding one
     row. Returns (that spec, the rows (spec, nodes, summary))."""
     g = model.config.n_drafts
-    candidates = [c for c in cfg["candidates"].split(";") if c and (c.startswith("n") or len(c.split(",")) <= g)]
+    candidates = [c for c in cfg["candidates"].split(";")
+                  if c and (c.startswith("n") or len(c.split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
-    decoders = lambda kw: [lambda p: generate_ar(model, p, **kw)] + [speculative(model, t, kw) for t in trees]
-    run_interleaved(calibration[:1], decoders({**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}))  # warm-up
+    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)]
+                           + [speculative(model, t, kw) for t in trees])
+    warm = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}
+    run_interleaved(calibration[:1], decoders(warm))  # warm-up
     ar, *ss = run_interleaved(calibration, decoders(kw))
     # a candidate's speedup: the median over the calibration prompts of its speedup on each,
     # so that a slow spell of the machine during one decode does not decide the pick
-    rows = [(spec, len(t) if t else 0, dict(summarize(ar, s), speedup=statistics.median(prompt_speedups(ar, s)),
-                                            busy_speedup=statistics.median(prompt_speedups(ar, s, busy=True))))
+    rows = [(spec, len(t) if t else 0,
+             dict(summarize(ar, s), speedup=statistics.median(prompt_speedups(ar, s)),
+                  busy_speedup=statistics.median(prompt_speedups(ar, s, busy=True))))
             for spec, t, s in zip(candidates, trees, ss)]
 
     def within(rows, key):  # the rows within tie_margin of the best of them by this measure
@@ -102,24 +109,35 @@ def tree_search(model, calibration, cfg, kw, log):
         return [row for row in rows if row[2][key] >= (1 - cfg["tie_margin"]) * top]
 
     fastest = max(rows, key=lambda row: row[2]["speedup"])
-    # among near-ties over whole decodes, a tree that keeps a batch's rows busier wins (at B = 1 the same)
-    best = min(within(within(rows, "speedup"), "busy_speedup"), key=lambda row: (row[1], -row[2]["mean_accepted"]))
-    log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new tokens each, "
-        f"against one autoregressive baseline of {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
-    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'busy':>6} {'tau':>5} {'CR':>5} {'SS ms/pass':>10}"
-        "  (speedup: the median over the prompts, each over its whole decode; busy: while all rows decode)")
+    # among near-ties over whole decodes, a tree that keeps a batch's rows busier wins (at B = 1
+    # the same)
+    best = min(within(within(rows, "speedup"), "busy_speedup"),
+               key=lambda row: (row[1], -row[2]["mean_accepted"]))
+    log_search(rows, fastest, best, calibration, cfg, kw, log)
+    ar_ms = [s.seconds / s.passes for _, s in ar]
+    if max(ar_ms) > 2 * min(ar_ms):
+        unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to "
+                   f"{1e3 * max(ar_ms):.2f} ms across the calibration prompts of the tree search")
+    return best[0], rows
+
+
+def log_search(rows, fastest, best, calibration, cfg, kw, log):
+    """The tree search's table, the fastest and the chosen tree marked."""
+    log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new "
+        f"tokens each, against one autoregressive baseline of "
+        f"{rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
+    log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'busy':>6} {'tau':>5} {'CR':>5} "
+        f"{'SS ms/pass':>10}  (speedup: the median over the prompts, each over its whole decode; "
+        "busy: while all rows decode)")
     for row in rows:
         spec, n, r = row
         mark = ("  <- fastest" if row is fastest else "") + ("  <- chosen" if row is best else "")
         if row is best and row is not fastest:
-            mark += f" (within {cfg['tie_margin']:.0%} of the fastest and of the busiest of those, the fewest nodes)"
-        log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x {r['busy_speedup']:5.2f}x "
-            f"{r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} {r['ss_ms_per_pass']:10.2f}" + mark)
-    ar_ms = [s.seconds / s.passes for _, s in ar]
-    if max(ar_ms) > 2 * min(ar_ms):
-        unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to {1e3 * max(ar_ms):.2f} ms across the "
-                   "calibration prompts of the tree search")
-    return best[0], rows
+            mark += (f" (within {cfg['tie_margin']:.0%} of the fastest and of the busiest of "
+                     "those, the fewest nodes)")
+        log(f"{spec:>8} {n:>5} {r['ss_tokens_per_s']:9.0f} {r['speedup']:7.2f}x "
+            f"{r['busy_speedup']:5.2f}x {r['mean_accepted']:5.2f} {r['call_reduction']:5.2f} "
+            f"{r['ss_ms_per_pass']:10.2f}" + mark)
 
 
 def choose_tree(model, calibration, cfg, kw, log):
@@ -129,14 +147,17 @@ def choose_tree(model, calibration, cfg, kw, log):
     if spec == "auto" or cfg.get("sweep"):
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
-            plot.tree_search(rows, best, cfg["plot"], f"tree search of {cfg['out_dir']} on {n_prompts(calibration)} "
-                             f"calibration prompts x {min(kw['max_new_tokens'], cfg['calibration_tokens'])} new tokens "
-                             "(shorter than the measurement's, "
-                             "so other speedups)", cfg["tie_margin"], model.config.n_drafts)
+            tokens = min(kw["max_new_tokens"], cfg["calibration_tokens"])
+            title = (f"tree search of {cfg['out_dir']} on {n_prompts(calibration)} calibration "
+                     f"prompts x {tokens} new tokens (shorter than the measurement's, so other "
+                     "speedups)")
+            plot.tree_search(rows, best, cfg["plot"], title, cfg["tie_margin"],
+                             model.config.n_drafts)
             log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
     tree = make_tree(spec, model.config.n_drafts)
-    run_pair(model, calibration, tree, {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
+    run_pair(model, calibration, tree,
+             {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
     return tree
 
 
@@ -150,7 +171,8 @@ def batched(prompts, batch_size, waves=2, queues=2):
     if batch_size == 1:
         return prompts
     n = max(len(prompts), waves * queues * batch_size)
-    rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):] for i in range(n)]
+    rows = [prompts[i % len(prompts)][(i * 7) % (len(prompts[i % len(prompts)]) // 2 + 1):]
+            for i in range(n)]
     size = -(-n // queues)
     return [rows[i:i + size] for i in range(0, n, size)]
 
