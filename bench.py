@@ -41,11 +41,13 @@ from ss_mini.io.checkpoint import load_model, training_data
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
                             pick_dtype, warn_unused)
 from ss_mini.io.data import describe_fingerprint, load_split
-from ss_mini.generate import compiled, generate_ar, generate_speculative
-from ss_mini.lab.measure import (copy_bandwidth, machine, over_runs, pass_cost, repeat_rate,
-                                 run_interleaved, run_pair, speculative, step_bytes, summarize,
-                                 synchronize, threads, unreliable)
-from ss_mini.model import GPT, GPTConfig
+from ss_mini.extras import build_model
+from ss_mini.extras.pruning import pruned_step
+from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.lab.measure import (compiled_steps, copy_bandwidth, machine, over_runs, pass_cost,
+                                 plain, repeat_rate, run_interleaved, run_pair, speculative,
+                                 step_bytes, summarize, synchronize, threads, unreliable)
+from ss_mini.model import GPTConfig
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.suite import suite
 from ss_mini.tree import make_tree, tree_spec
@@ -125,7 +127,6 @@ NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "comp
 def train_bench(ckpt, device, steps, log):
     """ms/iter of the checkpoint's training config with its drafter and without (plain GPT)."""
     from ss_mini.io.checkpoint import model_config
-    from ss_mini.model import GPT
     tcfg, res = ckpt["config"], {}
     for name in ("drafter", "plain"):
         config = model_config(ckpt["model_args"])
@@ -133,7 +134,7 @@ def train_bench(ckpt, device, steps, log):
             config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0,
                                          prune_adapter_rank=0)
         torch.manual_seed(0)
-        model = GPT(config).to(device)
+        model = build_model(config).to(device)
         opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
         x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size),
                           device=device)
@@ -235,7 +236,7 @@ def profile(model, prompts, tree, kw, log):
         return t
     parts = {
         "forward passes, prefill and window rebuilds included":
-            seconds(("forward_nodes", "pruned_pass")),
+            seconds(("forward_nodes", "pruned_forward")),
         "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
         "masks (each row's window over the cache)": seconds(("mask",)),
         "verify (the target's tokens)": seconds(("verify", "pick")),
@@ -266,7 +267,7 @@ def cost_model(cfg, device, dtype):
         raise UsageError(f"--shape={cfg['shape']}: give N_LAYER,N_HEAD,N_EMBD,VOCAB, e.g. "
                          f"12,12,768,50257 ({e})") from None
     torch.manual_seed(0)
-    model = GPT(config).to(device=device, dtype=dtype).eval()
+    model = build_model(config).to(device=device, dtype=dtype).eval()
     context = torch.randint(0, vocab, (min(config.block_size // 2, 256),)).tolist()
     return model, context, f"random model {cfg['shape']}"
 
@@ -299,7 +300,7 @@ def step_costs(cfg, device, dtype, log):
               "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
     result.update(bandwidth(model, len(context), B, device, dtype, costs, ar_ms, log))
     if cfg["compile"]:
-        costs, _, ar_ms = pass_cost(compiled(model), context, batch_size=B)
+        costs, _, ar_ms = pass_cost(model, context, batch_size=B, compiled=True)
         log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in "
             "compiled autoregressive steps:\n  "
             + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
@@ -374,6 +375,9 @@ def bench_prompts(cfg, ckpt, tok):
     by one, or in queues of --batch_size rows (`batched`)."""
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     B = cfg["batch_size"]
+    if cfg["compile"] and cfg["prune_threshold"]:
+        raise UsageError("--prune_threshold decides on the host which nodes survive, which a "
+                         "compiled step cannot: drop --compile or --prune_threshold")
     if B > 1 and cfg["prune_threshold"]:
         raise UsageError("--prune_threshold decodes one prompt at a time: give --batch_size=1")
     return batched(prompts, B), calibration_batches(calibration, B), len(prompts)
@@ -413,10 +417,10 @@ def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
     interleaved on every prompt; each run is a list of results per decoder."""
     decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
     if cfg["compile"]:
-        fast, t0 = compiled(model), time.perf_counter()
-        run_pair(fast, calibration, tree, kw)  # compiles each kind of pass: prefill, token, tree
+        steps, t0 = compiled_steps(), time.perf_counter()
+        run_pair(model, calibration, tree, kw, steps)  # compiles the token and the tree steps
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
-        decoders += [lambda p: generate_ar(fast, p, **kw), speculative(fast, tree, kw)]
+        decoders += [plain(model, kw, steps), speculative(model, tree, kw, steps)]
     runs = []
     for i in range(cfg["repeats"]):
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
@@ -500,7 +504,7 @@ def pruning_report(model, prompts, tree, kw, thr, log):
     ar, ss, sp = run_interleaved(prompts, [
         lambda p: generate_ar(model, p, **kw),
         lambda p: generate_speculative(model, p, tree=tree, **kw),
-        lambda p: generate_speculative(model, p, tree=tree, **kw, prune_threshold=thr)])
+        lambda p: generate_speculative(model, p, tree=tree, **kw, step=pruned_step(model, thr))])
     u, p = summarize(ar, ss), summarize(ar, sp)
     log(f"  parallel tree pruning at threshold {thr} (AR, SS and pruned SS interleaved):")
     for name, x in (("without pruning", u), ("with pruning", p)):

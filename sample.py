@@ -28,7 +28,10 @@ import torch
 from ss_mini.io.checkpoint import load_model
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
                             pick_dtype, warn_unused)
-from ss_mini.generate import compiled, generate_ar, generate_speculative
+from ss_mini.extras.compile import compile_step
+from ss_mini.extras.pruning import pruned_step
+from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.step import ar_step, speculative_step
 from ss_mini.lab.trace import Trace, check_path
 from ss_mini.tree import make_tree
 
@@ -129,6 +132,9 @@ def check_flags(cfg):
                          f"--temperature={cfg['temperature']}): add --temperature=0")
     if cfg["prune_threshold"] and cfg["num_samples"] > 1:
         raise UsageError("--prune_threshold decodes one sample at a time: give --num_samples=1")
+    if cfg["compile"] and (cfg["prune_threshold"] or cfg["trace"]):
+        raise UsageError("--prune_threshold and --trace read each pass back on the host, which a "
+                         "compiled step cannot: drop --compile")
     if cfg["trace"]:
         if not cfg["speculative"]:
             raise UsageError("--trace records the passes of speculative decoding: add "
@@ -139,7 +145,7 @@ def check_flags(cfg):
 
 
 def load(cfg):
-    """(model, tokenizer) on the device and dtype asked for, compiled with --compile."""
+    """(model, tokenizer) on the device and dtype asked for."""
     device = pick_device(cfg["device"])
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
@@ -147,8 +153,6 @@ def load(cfg):
     model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
     print(f"model {cfg['out_dir']}/ckpt.pt on {device} ({dtype})"
           + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
-    if cfg["compile"]:
-        model = compiled(model)
     return model, tok
 
 
@@ -168,28 +172,33 @@ def speculative_tree(cfg, model):
         raise UsageError(f"--speculative needs a model with streams, and {cfg['out_dir']} has "
                          "n_streams=0; train one with python train.py --n_streams=3, or sample "
                          "without --speculative")
+    tree = make_tree(cfg["tree"], model.config.n_drafts)
+    if tree is None:
+        raise UsageError("--tree=none is plain decoding: drop --speculative, or give a tree "
+                         "(e.g. --tree=1,1,1)")
     weight = model.lm_head.weight  # bind the tree where the model is ("cuda" is cuda:0 there)
-    return make_tree(cfg["tree"], model.config.n_drafts).bind(model.config, weight.device,
-                                                              weight.dtype)
+    return tree.bind(model.config, weight.device, weight.dtype)
 
 
 def decode(model, prompts, tree, cfg, kw, trace):
     """(outputs, Stats) of the samples, decoded as one batch; with --compile, a short decode of
     the same batch first compiles the steps, and says how long it took."""
     speculative, prune = cfg["speculative"], cfg["prune_threshold"]
+    step = speculative_step if speculative else ar_step
+    if prune:
+        step = pruned_step(model, prune, cfg["temperature"])
     if cfg["compile"]:
-        t0, warm = time.perf_counter(), dict(kw, on_tokens=None)
+        step, t0, warm = compile_step(step), time.perf_counter(), dict(kw, on_tokens=None)
         if speculative:
-            generate_speculative(model, prompts, 2, tree, prune_threshold=prune, **warm)
+            generate_speculative(model, prompts, 2, tree, step=step, **warm)
         else:
-            generate_ar(model, prompts, 2, **warm)
+            generate_ar(model, prompts, 2, step=step, **warm)
         print(f"torch.compile: {time.perf_counter() - t0:.1f} s to compile the steps",
               file=sys.stderr)
     if speculative:
-        return generate_speculative(model, prompts, cfg["max_new_tokens"], tree,
-                                    prune_threshold=prune,
-                                    on_pass=trace.on_pass if trace else None, **kw)
-    return generate_ar(model, prompts, cfg["max_new_tokens"], **kw)
+        return generate_speculative(model, prompts, cfg["max_new_tokens"], tree, step=step,
+                                    observe=trace.observe if trace else None, **kw)
+    return generate_ar(model, prompts, cfg["max_new_tokens"], step=step, **kw)
 
 
 def report(cfg, stats, tree, trace, prompt, outs):

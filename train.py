@@ -21,10 +21,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ss_mini.io.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
-from ss_mini.io.pretrained import find_gpt2_files
+from ss_mini.io.pretrained import find_gpt2_files, load_gpt2
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, one_of, parse_args, pick_device,
                             pick_dtype)
 from ss_mini.io.data import Tokenizer, fingerprint, load_split, prepare
+from ss_mini.extras import build_model
+from ss_mini.extras.distill import stream_teacher
 from ss_mini.extras.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.io.nanogpt import import_nanogpt
@@ -261,15 +263,15 @@ def load_data(cfg, source, run):
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg, source, tokenizer, log):
+def make_model(cfg, source, tokenizer, log):
     """The model to train and (the iteration, the selection loss of the checkpoint on disk) to
     start from: a new model, GPT-2's weights, or a checkpoint's (resumed or fine-tuned)."""
     iter_num, ckpt_val = 0, float("inf")
     if cfg["init_from"] == "scratch":
         margs = {k: cfg[k] for k in MODEL_KEYS}
-        model = GPT(GPTConfig(**margs, vocab_size=tokenizer.vocab_size))
+        model = build_model(GPTConfig(**margs, vocab_size=tokenizer.vocab_size))
     elif cfg["init_from"].startswith("gpt2:"):
-        model = GPT.from_pretrained(cfg["init_from"][5:], **{k: cfg[k] for k in STREAM_KEYS})
+        model = load_gpt2(cfg["init_from"][5:], **{k: cfg[k] for k in STREAM_KEYS})
         # short contexts train faster
         model.crop_block_size(min(cfg["block_size"], model.config.block_size))
         cfg.update({k: getattr(model.config, k) for k in MODEL_KEYS})
@@ -295,7 +297,7 @@ def checkpoint_model(cfg, ckpt, tokenizer):
     if not resume:
         margs.update({k: cfg[k] for k in STREAM_KEYS})
         cfg.update({k: margs[k] for k in MODEL_KEYS})
-    model = GPT(model_config(margs))
+    model = build_model(model_config(margs))
     ours = model.state_dict()
     state = {k: v for k, v in ckpt["model"].items()
              if resume or not GPT.is_draft_param(k) or (k in ours and ours[k].shape == v.shape)}
@@ -367,7 +369,7 @@ class Trainer:
             for k in range(self.cfg["eval_iters"]):
                 x, y = self.batch(split)
                 with self.run.autocast:
-                    _, _, losses = self.raw_model(x, y)
+                    _, _, losses = self.raw_model(x, y, teacher=stream_teacher)
                 parts[k] = torch.stack([losses["main"], *losses["streams"]]).float().cpu()
             out[split] = parts.mean(0).tolist()
         self.model.train()
@@ -414,7 +416,7 @@ class Trainer:
             if self.run.ddp:  # sync gradients only on the last micro-step
                 self.model.require_backward_grad_sync = micro == steps - 1
             with self.run.autocast:
-                _, _, losses = self.model(x, y)
+                _, _, losses = self.model(x, y, teacher=stream_teacher)
                 loss = losses["loss"] / steps
             x, y = self.batch("train")  # fetch the next batch while the backward runs on GPU
             self.scaler.scale(loss).backward()
@@ -497,7 +499,7 @@ def main(argv=None):
     source = check_config(cfg, given)
     run = Run(cfg, *start_processes(cfg))
     data, tokenizer, corpus = load_data(cfg, source, run)
-    model, iter_num, ckpt_val = build_model(cfg, source, tokenizer, run.log)
+    model, iter_num, ckpt_val = make_model(cfg, source, tokenizer, run.log)
     model.to(run.device)
     base, draft = model.param_counts()
     run.log(f"model: {base:,} base parameters + {draft:,} draft parameters (stream embeddings, "

@@ -236,7 +236,7 @@ class GPT(nn.Module):
         `streams_in_pass`; main_idx: the main rows whose logits are wanted, (B, k) (None = all).
         Returns (main logits (B, k, V), draft logits (B, m, g, V), or None without drafts)."""
         x = self.forward_bottom(idx, pos, mask, cache, draft_depth)
-        return self.forward_top(x, mask, cache, stream_idx, draft_depth, main_idx)
+        return self.forward_top(x, mask, stream_idx, cache, draft_depth, main_idx)
 
     def forward_bottom(self, idx, pos, mask=None, cache=None, draft_depth=None):
         """Embeddings and the layers below stream insertion: main rows only."""
@@ -249,7 +249,7 @@ class GPT(nn.Module):
             x = self.transformer.h[i](x, n, mask, cache, i)
         return x
 
-    def forward_top(self, x, mask=None, cache=None, stream_idx=None, draft_depth=None,
+    def forward_top(self, x, mask=None, stream_idx=None, cache=None, draft_depth=None,
                     main_idx=None):
         """Stream insertion (Eq. 3), the multi-stream attention layers (Eq. 2) and the head."""
         n, g = x.shape[1], self.streams_in_pass(draft_depth)

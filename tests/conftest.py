@@ -45,7 +45,7 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
     the search's rows and every call as (decoder, prompt, max_new_tokens)."""
     import bench
     from types import SimpleNamespace
-    from ss_mini import tree_choice
+    from ss_mini.lab import tree_choice
     from ss_mini.generate import Stats
     calls = []
 
@@ -63,7 +63,7 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
                                seconds=seconds * (drain or {}).get(repr(tree), 1), full_tokens=24, full_passes=passes,
                                full_seconds=seconds)
 
-    from ss_mini import measure
+    from ss_mini.lab import measure
     monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline
     monkeypatch.setattr(measure, "generate_ar", fake_ar)  # measure.speculative makes each tree's decoder
     monkeypatch.setattr(measure, "generate_speculative", fake_ss)

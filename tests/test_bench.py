@@ -18,16 +18,6 @@ from ss_mini.lab.report import shell_quote
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def lab_modules_at_the_package_root(monkeypatch):
-    """conftest.fake_tree_search imports tree_choice and measure from ss_mini, where they lived
-    before ss_mini/lab/: they answer there too, until conftest imports them from ss_mini.lab."""
-    import ss_mini
-    from ss_mini.lab import tree_choice
-    monkeypatch.setattr(ss_mini, "tree_choice", tree_choice, raising=False)
-    monkeypatch.setattr(ss_mini, "measure", measure, raising=False)
-
-
 def run(*args, cwd=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args],
                           capture_output=True, text=True, cwd=cwd, timeout=600)

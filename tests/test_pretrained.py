@@ -9,6 +9,7 @@ import torch
 
 from ss_mini.io.checkpoint import load_model
 from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.io.pretrained import load_gpt2
 from ss_mini.model import GPT
 from ss_mini.tree import make_tree
 
@@ -36,7 +37,7 @@ def hf_gpt2(tmp_path_factory):
 def test_gpt2_logits_and_greedy_generation_match_transformers(hf_gpt2, fmt):
     hf, st, pt = hf_gpt2
     folder = st if fmt == "safetensors" else pt
-    ours = GPT.from_pretrained(str(folder), n_streams=3, n_msa_layers=1).eval()
+    ours = load_gpt2(str(folder), n_streams=3, n_msa_layers=1).eval()
     idx = torch.randint(0, 50257, (2, 40))
     with torch.no_grad():
         ref = hf(idx).logits
@@ -54,9 +55,9 @@ def test_gpt2_logits_and_greedy_generation_match_transformers(hf_gpt2, fmt):
 
 def test_missing_weights_say_where_they_looked(tmp_path):
     with pytest.raises(FileNotFoundError, match="looked at"):
-        GPT.from_pretrained(str(tmp_path))
+        load_gpt2(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="huggingface-cli download"):
-        GPT.from_pretrained("surely-not-a-cached-model")
+        load_gpt2("surely-not-a-cached-model")
 
 
 def _run(*args):
@@ -83,7 +84,7 @@ def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
     first, last = (float(line.split("s1 ")[1].split()[0]) for line in (step[0], step[-1]))
     assert last < first  # stream 1 learned
     trained, tok, _ = load_model(str(out))
-    base = GPT.from_pretrained(str(st), n_streams=3, n_msa_layers=1, stream_adapter_rank=4)
+    base = load_gpt2(str(st), n_streams=3, n_msa_layers=1, stream_adapter_rank=4)
     base.crop_block_size(32)
     idx = torch.tensor([tok.encode("def f7(x):\n    return x + 7\n\ndef")])
     with torch.no_grad():

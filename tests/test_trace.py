@@ -14,7 +14,9 @@ from conftest import random_model
 
 from ss_mini.io.cli import UsageError
 from ss_mini.generate import generate_speculative
-from ss_mini.lab.trace import Trace, dense_mask, to_html
+from ss_mini.extras.pruning import pruned_step
+from ss_mini.lab.shapes import host_shape
+from ss_mini.lab.trace import Trace, dense_mask, pass_data, to_html
 from ss_mini.tree import make_tree
 
 decode = lambda ids: "".join("abcdefghijk"[i] for i in ids)
@@ -42,6 +44,14 @@ CASES = {  # name: (model, tree, decoding settings)
 }
 
 
+def decoding(model, kw):
+    """The decoder's keyword arguments of a case: a pruned case's threshold is its step."""
+    kw = dict(kw)
+    if "prune_threshold" in kw:
+        kw["step"] = pruned_step(model, kw.pop("prune_threshold"))
+    return kw
+
+
 def traced(case, prompt=(1, 2, 3), n=60):
     """Run a case with a trace and with a recorder of the masks the MSA layers received."""
     make_model, spec, kw = CASES[case]
@@ -58,13 +68,15 @@ def traced(case, prompt=(1, 2, 3), n=60):
     model.forward_top = forward_top
     trace = Trace(decode, tree=spec)
 
-    def on_pass(step):
+    def observe(*args):
+        step = pass_data(*args)
         probs = step["draft_probs"]
         steps.append(dict(q=step["draft_logits"].clone(),
                           probs=None if probs is None else probs.clone(), L=step["cache_length"]))
-        trace.on_pass(step)
+        trace.observe(*args)
 
-    out, stats = generate_speculative(model, list(prompt), n, tree, on_pass=on_pass, **kw)
+    out, stats = generate_speculative(model, list(prompt), n, tree, observe=observe,
+                                      **decoding(model, kw))
     return model, tree, kw, trace.finish(prompt, out), out, stats, used, steps
 
 
@@ -98,7 +110,9 @@ def test_trace_replays_to_the_output(case):
             assert (status in ("root", "accepted")) == (u in path)
     # tracing changes nothing: the same call without it gives the same tokens (sampling included)
     make_model, spec, _ = CASES[case]
-    assert generate_speculative(make_model(), [1, 2, 3], 60, make_tree(spec, 3), **kw)[0] == out
+    fresh = make_model()
+    assert generate_speculative(fresh, [1, 2, 3], 60, make_tree(spec, 3),
+                                **decoding(fresh, kw))[0] == out
     if case.startswith("pruned"):
         assert any(p["pruned"] for p in data["passes"])  # this model and threshold do prune
 
@@ -110,7 +124,7 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
     T = model.config.block_size
     for p, mask, step in zip(data["passes"], used, steps):
         L = p["cache_length"]
-        # the pass's mask over the cache's slots in use (one row of the batch: KVCache.read_to):
+        # the pass's mask over the cache's slots (one row of the batch: KVCache.mask):
         # the prefix, then the pass's own rows, then slots it must not see
         keys = L + p["mask_keys"]
         assert mask.shape[:2] == (1, 1) and keys <= mask.shape[-1] <= tree.max_len
@@ -123,7 +137,7 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
         # the drafted tree is the TreeShape the tree gives for these draft logits (and, when
         # sampling, the draft distribution that the candidates were drawn from)
         q, probs = step["q"][None], None if step["probs"] is None else step["probs"][None]
-        shape = tree.shape(q, probs, torch.tensor([T - 1 - L])).host()
+        shape = host_shape(tree.shape(q, probs, torch.tensor([T - 1 - L])))
         nodes = p["nodes"]
         assert [u["parent"] for u in nodes] == shape.parents
         assert [u["depth"] for u in nodes] == shape.depths
@@ -146,7 +160,7 @@ def test_trace_counts_a_pass_cut_by_end_of_text_as_stats_does():
     for eot in sorted(set(full[5:30]))[:3]:  # tokens that end the output somewhere in the middle
         trace = Trace(decode, eot=eot)
         out, stats = generate_speculative(model, [1, 2, 3], 40, tree, eot=eot,
-                                          on_pass=trace.on_pass)
+                                          observe=trace.observe)
         data = trace.finish([1, 2, 3], out)
         assert out == full[:full.index(eot)] and len(out) < 39
         assert [p["emitted"] for p in data["passes"]] == stats.accepted

@@ -194,7 +194,7 @@ def test_sample_cli(tiny_ckpt, tmp_path):
     assert "\u2603" in r.stderr
     r = run("sample.py", f"--out_dir={tiny_ckpt}", "--start=" + "x = 1\n" * 20,
             "--max_new_tokens=5")
-    assert r.returncode == 0 and "keeping the last 48" in r.stderr
+    assert r.returncode == 0 and "keeping its last 24" in r.stderr
     r = run("sample.py", f"--out_dir={tiny_ckpt}", "--speculative", "--tree=1,1,1,1,1,1")
     assert r.returncode != 0 and "streams" in r.stderr
 
@@ -286,17 +286,7 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
 
 
-@pytest.fixture
-def lab_modules_at_the_package_root(monkeypatch):
-    """conftest.fake_tree_search imports tree_choice and measure from ss_mini, where they lived
-    before ss_mini/lab/: they answer there too, until conftest imports them from ss_mini.lab."""
-    import ss_mini
-    from ss_mini.lab import measure, tree_choice
-    monkeypatch.setattr(ss_mini, "tree_choice", tree_choice, raising=False)
-    monkeypatch.setattr(ss_mini, "measure", measure, raising=False)
-
-
-def test_tree_search_takes_turns_on_each_prompt(monkeypatch, lab_modules_at_the_package_root):
+def test_tree_search_takes_turns_on_each_prompt(monkeypatch):
     """bench's tree search runs the autoregressive decoder and every candidate on one prompt
     before the next prompt starts (so a burst of load spreads over the candidates), ranks every
     tree against that one baseline and returns the fastest."""

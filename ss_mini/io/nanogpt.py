@@ -29,6 +29,7 @@ from dataclasses import asdict
 
 import torch
 
+from ..extras import build_model
 from ..model import GPT, GPTConfig
 
 # nanoGPT's model_args
@@ -191,7 +192,7 @@ def nanogpt_state(path, ckpt, config):
         if not key.endswith(".attn.bias"):
             state[key] = value
     with torch.device("meta"):  # the names and shapes only: nothing is allocated or initialised
-        ours = {k: v.shape for k, v in GPT(config).state_dict().items()}
+        ours = {k: v.shape for k, v in build_model(config).state_dict().items()}
     unexpected = sorted(set(state) - set(ours))
     missing = sorted(set(ours) - set(state))
     if unexpected or missing:

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..extras import build_model
 from ..model import GPT, GPTConfig
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -71,7 +72,7 @@ def load_gpt2(spec, **stream_args):
                        block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
                        vocab_size=hf["vocab_size"], bias=True,
                        **{"dropout": 0.0, "n_streams": 0, **stream_args})
-    model = GPT(config)
+    model = build_model(config)
     ours = model.state_dict()
     loaded = set()
     for key, value in read_state_dict(weights).items():

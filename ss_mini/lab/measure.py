@@ -33,11 +33,10 @@ import time
 
 import torch
 
-from ..generate import (_prefill, _step, ar_step, ar_window, depth_limit, generate_ar, generate_speculative,
-                       speculative_step)
-from ..extras.kernels import HEAD_ROWS
-from ..extras.medusa import medusa_logits
+from ..extras.compile import compile_step
+from ..generate import generate_ar, generate_speculative
 from ..sampling import Sampler
+from ..step import ar_step, ar_window, prefill, speculative_step
 from ..tree import BudgetTree
 
 
@@ -52,18 +51,28 @@ def run_interleaved(prompts, decoders):
     return results
 
 
-def run_pair(model, prompts, tree, kw):
+def run_pair(model, prompts, tree, kw, steps=None):
     """AR and SS on the same prompts, interleaved."""
-    return run_interleaved(prompts, [lambda p: generate_ar(model, p, **kw),
-                                     speculative(model, tree, kw)])
+    return run_interleaved(prompts, [plain(model, kw, steps), speculative(model, tree, kw, steps)])
 
 
-def speculative(model, tree, kw):
+def compiled_steps():
+    """(the autoregressive step, the speculative step), each compiled whole (extras/compile.py)."""
+    return compile_step(ar_step), compile_step(speculative_step)
+
+
+def plain(model, kw, steps=None):
+    """Plain decoding, with the steps given (eager: None)."""
+    return lambda p: generate_ar(model, p, **kw, step=(steps or (ar_step,))[0])
+
+
+def speculative(model, tree, kw, steps=None):
     """The decoder of a tree: Speculative Streaming, or plain decoding for the tree `none`
-    (None)."""
+    (None); with the steps given (eager: None)."""
     if tree is None:
-        return lambda p: generate_ar(model, p, **kw)
-    return lambda p: generate_speculative(model, p, tree=tree, **kw)
+        return plain(model, kw, steps)
+    step = steps[1] if steps else speculative_step
+    return lambda p: generate_speculative(model, p, tree=tree, **kw, step=step)
 
 
 def repeat_rate(outputs, n=12):
@@ -165,14 +174,13 @@ def products(model, n_nodes, draft_depth=None, batch_size=1):
     """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
     the rows that the pass carries (n_nodes main rows below the multi-stream layers,
     n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
-    rows and the draft logits of one node (one head call for all rows of a small pass, as
-    GPT.forward_top makes it). draft_depth=0: an autoregressive pass (one row everywhere, no
+    and stream rows in one call, as GPT.heads makes it (Medusa: the main rows, then its heads). draft_depth=0: an autoregressive pass (one row everywhere, no
     draft logits). Returns a function that runs them."""
     cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(draft_depth)
     first = model.first_msa_layer(g)
     n = n_nodes
     rows = [n * (1 + g) if i >= first else n for i in range(cfg.n_layer)]
-    x = {r: w.new_zeros(batch_size, r, cfg.n_embd) for r in set(rows) | {n, n * g}}
+    x = {r: w.new_zeros(batch_size, r, cfg.n_embd) for r in set(rows) | {n, n * (1 + g)}}
     hidden = 4 * cfg.n_embd  # the MLP's inner width
     xh = {r: w.new_zeros(batch_size, r, hidden) for r in set(rows)}
 
@@ -180,14 +188,10 @@ def products(model, n_nodes, draft_depth=None, batch_size=1):
         for block, r in zip(model.transformer.h, rows):
             block.attn.c_attn(x[r]), block.attn.c_proj(x[r])
             block.mlp.c_fc(x[r]), block.mlp.c_proj(xh[r])
-        if g and n * (1 + g) <= HEAD_ROWS:
-            model.lm_head(x[n * (1 + g)])
-            return
-        model.lm_head(x[n])
-        if g:
-            model.lm_head(x[n * g])
-        elif draft_depth != 0:
-            medusa_logits(model, x[n])
+        model.lm_head(x[n * (1 + g)])
+        if not g and draft_depth != 0:
+            for head in getattr(model, "medusa_heads", [])[:draft_depth]:
+                head(x[n])
     return run
 
 
@@ -231,7 +235,8 @@ def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
 
 
 @torch.inference_mode()
-def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_size=1):
+def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_size=1,
+              compiled=False):
     """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
     verify, accept: `speculative_step`) divided by that of one autoregressive step
     (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
@@ -251,21 +256,21 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
     sampler = Sampler(0.0, None, None, None, dev)
     rows = [list(context)] * batch_size  # every row the same: a batch of batch_size
-    caches = {n: _prefill(model, rows, t.draft_depth, t.max_len) for n, t in trees.items()}
-    caches["ar"] = _prefill(model, rows, 0, T)
+    for t in trees.values():
+        t.bind(cfg, dev, dtype, batch_size)
+    caches = {n: prefill(model, rows, t.draft_depth, t.max_len) for n, t in trees.items()}
+    caches["ar"] = prefill(model, rows, 0, T)
     root, window = sampler.pick(caches["ar"][1]), ar_window(caches["ar"][0])
-    # as decoding has it at this length
-    max_depth = depth_limit(model, caches["ar"][0], [L], cfg.n_drafts)
-
-    # compiled for a `compiled` model
-    plain, spec = _step(model, ar_step), _step(model, speculative_step)
+    plain, spec = ar_step, speculative_step
+    if compiled:
+        plain, spec = compile_step(ar_step), compile_step(speculative_step)
 
     def ar():
         plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
-        spec(model, cache, root, q, t, sampler, max_depth)[0].tolist()
+        spec(model, cache, root, q, t, sampler).n_emitted.tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),
                 **{n: (lambda n=n, t=t: ss(n, t)) for n, t in trees.items()},
@@ -283,8 +288,8 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
                 synchronize(dev)
                 if warm and i >= warmup:
                     times[k].append(time.perf_counter() - t0)
-                for cache, _, _ in caches.values():
-                    cache.rewind(L)
+                for cache, _, _ in caches.values():  # every step from the same length
+                    cache.advance(L - cache.length)
     med = {k: statistics.median(v) for k, v in times.items()}
     costs = {n: med[n] / med["ar"] for n in sizes}
     floors = {n: 1 + (med[f"products {n}"] - med["products ar"]) / med["ar"] for n in sizes}

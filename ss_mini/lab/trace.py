@@ -1,6 +1,6 @@
 """A trace of Speculative Streaming decoding: what every pass drafted, verified and accepted.
 
-generate_speculative(..., on_pass=trace.on_pass) hands each pass to `Trace.on_pass`, which
+generate_speculative(..., observe=trace.observe) hands each pass to `Trace.observe`, which
 turns it into plain data (token ids, texts, parents, probabilities); nothing is recorded
 without it. `Trace.save` writes the data as JSON, or as one self-contained HTML page
 (trace_page.html: vanilla JS draws the text, each pass's tree and attention mask, and a
@@ -21,6 +21,8 @@ import re
 import tempfile
 
 import torch
+
+from .shapes import host_shape
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_page.html")
 EXTENSIONS = (".html", ".json")
@@ -83,7 +85,7 @@ def dense_mask(rows, L, n_keys):
 
 
 def record(step, decode):
-    """Plain data from speculative_step's on_pass dict; `decode` turns token ids into text."""
+    """Plain data from one pass (`pass_data`); `decode` turns token ids into text."""
     drafted, shape, L = step["drafted_shape"], step["shape"], step["cache_length"]
     tokens = step["drafted_tokens"].tolist()
     kept = kept_nodes(drafted, shape)
@@ -144,15 +146,29 @@ def summary(passes):
                 acceptance_by_depth=[[d, reached[d], tried[d]] for d in sorted(tried)])
 
 
+def pass_data(cache, drafted, ran, verified, step):
+    """What speculative_step's observer gets (step.py), as plain data of the batch's first row:
+    the tree drafted and the tree the pass ran (fewer nodes when pruned)."""
+    a = int(step.n_emitted[0])
+    last = int(verified.last[0]) - int(ran.shape.first_node[0])
+    return dict(cache_length=int(cache.length[0]) - a, draft_logits=drafted.logits[0],
+                draft_probs=None if drafted.probs is None else drafted.probs[0],
+                drafted_tokens=drafted.tokens[0], drafted_shape=host_shape(drafted.shape),
+                tokens=ran.tokens[0].tolist(), shape=host_shape(ran.shape),
+                ys=verified.targets[0].tolist(), path=ran.shape.path[0, last][:a].tolist(),
+                next_root=int(step.root[0]), draft_depth=drafted.logits.shape[1])
+
+
 class Trace:
-    """Records the passes of one generate_speculative call: pass `on_pass` to it, then `finish`."""
+    """Records the passes of one generate_speculative call: pass `observe` to it, then
+    `finish`."""
 
     def __init__(self, decode, eot=None, **settings):
         self.decode, self.eot, self.settings = decode, eot, settings
         self.passes, self.data = [], None
 
-    def on_pass(self, step):
-        self.passes.append(record(step, self.decode))
+    def observe(self, cache, drafted, ran, verified, step):
+        self.passes.append(record(pass_data(cache, drafted, ran, verified, step), self.decode))
 
     def finish(self, prompt, output):
         """The trace's data: settings, prompt, output (token ids, and its text in chunks: the
