@@ -46,11 +46,12 @@ from ss_mini.extras.pruning import pruned_step
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.lab.measure import (compiled_steps, copy_bandwidth, machine, over_runs, pass_cost,
                                  plain, repeat_rate, run_interleaved, run_pair, speculative,
-                                 step_bytes, summarize, synchronize, threads, unreliable)
+                                 step_bytes, summarize, synchronize, threads, tree_spec,
+                                 unreliable)
 from ss_mini.model import GPTConfig
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.suite import suite
-from ss_mini.tree import make_tree, tree_spec
+from ss_mini.extras.budget_tree import make_tree
 from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs,
                                      n_prompts, pick_prompts, validation_prompts)
 

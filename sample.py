@@ -33,7 +33,7 @@ from ss_mini.extras.pruning import pruned_step
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.step import ar_step, speculative_step
 from ss_mini.lab.trace import Trace, check_path
-from ss_mini.tree import make_tree
+from ss_mini.extras.budget_tree import make_tree
 
 config = dict(
     out_dir="out",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ss_mini.io.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
-from ss_mini.io.pretrained import find_gpt2_files, load_gpt2
+from ss_mini.io.pretrained import crop_block_size, find_gpt2_files, load_gpt2
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, one_of, parse_args, pick_device,
                             pick_dtype)
 from ss_mini.io.data import Tokenizer, fingerprint, load_split, prepare
@@ -273,7 +273,7 @@ def make_model(cfg, source, tokenizer, log):
     elif cfg["init_from"].startswith("gpt2:"):
         model = load_gpt2(cfg["init_from"][5:], **{k: cfg[k] for k in STREAM_KEYS})
         # short contexts train faster
-        model.crop_block_size(min(cfg["block_size"], model.config.block_size))
+        crop_block_size(model, min(cfg["block_size"], model.config.block_size))
         cfg.update({k: getattr(model.config, k) for k in MODEL_KEYS})
     else:
         model = checkpoint_model(cfg, source, tokenizer)

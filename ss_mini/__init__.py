@@ -11,4 +11,4 @@ from .generate import Stats, generate_ar, generate_speculative
 from .io.checkpoint import load_model
 from .model import GPT, GPTConfig
 from .step import ar_step, speculative_step
-from .tree import make_tree
+from .extras.budget_tree import make_tree

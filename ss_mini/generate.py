@@ -1,20 +1,13 @@
 """The two decoders: KV-cached autoregressive (`generate_ar`) and Speculative Streaming
-(`generate_speculative`). Both take one prompt or a batch of prompts of any lengths, return
-(new tokens, Stats), and call `on_tokens` with each pass's tokens as soon as they are final.
-Each is a loop around one step function (step.py) over the rows of a `Batch`; pass
-`step=` a compiled step (extras/compile.py) to run it as one graph.
+(`generate_speculative`), each a loop around one step (step.py) over the rows of a `Batch`.
+Both take one prompt or a batch of prompts of any lengths and return (new tokens, Stats).
 
-Greedy outputs are those of `generate_ar`, token for token up to float near-ties (a tree
-pass multiplies other matrix shapes than a one-token pass, so two nearly equal logits can
-swap; the tests check equality in float64), and every row of a batch decodes as it would
-alone. Sampled outputs follow the distribution of plain sampling exactly (lossless), with
-other random draws: rows of a batch share one generator, so they match a lone decode in
-distribution, not draw for draw.
-
-Context longer than block_size: both decoders use the same sliding-window rule, row by
-row. When a row's cache is full it is rebuilt from the row's last block_size // 2 tokens
-(one prefill pass) and decoding goes on; no node past block_size is ever accepted, so
-both decoders rebuild at the same token.
+Greedy outputs are those of `generate_ar` token for token, up to float near-ties (a tree pass
+multiplies other shapes than a one-token pass; the tests check equality in float64), and a
+row of a batch decodes as it would alone. Sampled outputs follow plain sampling's
+distribution exactly; rows of a batch share one generator, so they match a lone decode in
+distribution, not draw for draw. Context longer than block_size: a full row is rebuilt from
+its last block_size // 2 tokens (one prefill pass), the same rule in both decoders.
 """
 import time
 import warnings

@@ -206,13 +206,6 @@ class GPT(nn.Module):
         draft = sum(p.numel() for n, p in self.named_parameters() if self.is_draft_param(n))
         return sum(p.numel() for p in self.parameters()) - draft, draft
 
-    def crop_block_size(self, block_size):
-        """Keep only the first block_size learned positions (e.g. GPT-2's 1024 -> 128)."""
-        assert block_size <= self.config.block_size
-        self.config.block_size = block_size
-        wpe = self.transformer.wpe.weight[:block_size].detach().clone()
-        self.transformer.wpe.weight = nn.Parameter(wpe)
-
     # ------------------------------------------------------------------ the forward pass
 
     def streams_in_pass(self, draft_depth):

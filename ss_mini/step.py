@@ -1,17 +1,15 @@
 """One decoding step for every row of a batch, as the decoders (generate.py) run it.
 
 `speculative_step` (paper §3.2) is four phases, each a function below:
-  1. `draft_tree`: the root r (the next token, already decided) and candidates from the
-     streams q_1..q_gamma of the last accepted token, placed into the tree (tree.py);
-  2. `forward_tree`: one forward pass over the tree: the main stream verifies every node,
-     the streams of every node draft for the next step (model.py, masks.py);
-  3. `verify`: the token the target emits at every node (greedy, or speculative sampling:
-     sampling.py); a node is accepted when every node on its path holds the token its
-     parent emitted, and the deepest accepted node ends the path;
-  4. `accept`: each row keeps its path in its cache (kvcache.py); the path's last node's
-     streams are the next drafts.
-The step reads nothing back to the host and its shapes never change from step to step, so
-one compiled graph can serve every step (extras/compile.py). `ar_step` is the baseline's.
+  1. `draft_tree`: the root (the next token, decided) and candidates from the streams of the
+     last accepted token, placed into the tree (tree.py);
+  2. `forward_tree`: one pass over the tree: the main stream verifies every node, the streams
+     of every node draft for the next step (model.py, masks.py);
+  3. `verify`: the target's token at every node (sampling.py) and each row's accepted path;
+  4. `accept`: each row keeps its path in its cache (kvcache.py); the streams of the path's
+     last node are the next drafts.
+No host reads, no shapes that change from step to step: one compiled graph serves every step
+(extras/compile.py). `ar_step` is the baseline's step, `prefill` the pass over a prompt.
 """
 from typing import NamedTuple
 

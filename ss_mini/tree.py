@@ -1,31 +1,17 @@
 """Tree drafts (paper §3.2.2): which draft tokens one forward pass verifies.
 
-The streams of the last accepted token give gamma distributions q_1..q_gamma over the
-tokens at depths 1..gamma after the root r (the next token, already decided). A tree
-draft puts r at depth 0 and, at depth j, candidates from q_j. The candidates of each
-depth come *ranked* from the sampling rule (generate.py: the top-K tokens of q_j when
-greedy, a sample without replacement when sampling), and every node is (depth, rank):
-the children of a node always hold ranks 0..m-1 of the next depth.
-
-Every tree is a fixed *template* of nodes in topological order (a parent before its
-children) and, at each step, a choice of n of them for each row of the batch:
-- `CartesianTree(ks)`: the paper's tree, every node at depth j-1 gets the top-k_j
-  candidates of depth j: 1 + k_1 + k_1 k_2 + ... nodes; the template is the tree, and
-  every row takes all of it.
-- `BudgetTree(n)`: the n nodes with the largest product of draft probabilities along
-  their path, always containing the top-1 chain. The template holds every path that can
-  be among the best n (a child or a next sibling is never more probable than its node, so
-  the best n are closed under "parent of" and "previous sibling of"); each step scores the
-  template on the device and keeps the n best, a different shape in every row.
-So a pass always carries n nodes per row, and a shape is data, never read by the host
-(`TreeShape`): the tensors that the pass, verify and accept need, one row per batch row
-(a Cartesian tree's rows are all alike and built once per batch size; a budget tree's
-differ and are made at every step, on the device).
-
-A tree bound to a model knows how many depths it drafts (`draft_depth`: its depth, at most
-gamma): its passes run that many streams, since deeper ones would draft tokens no node holds.
+The streams of the last accepted token give q_1..q_gamma over the tokens at depths 1..gamma
+after the root r (the next token, already decided). A tree draft puts r at depth 0 and, at
+depth j, candidates of q_j, *ranked* by the sampling rule (sampling.py: the top tokens when
+greedy, a sample without replacement otherwise): a node is (depth, rank), and the children
+of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed *template* of nodes,
+parents first, and at each step a choice of n of them per row:
+- `CartesianTree(ks)`: the paper's tree, top-k_j candidates under every node of depth j-1,
+  1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
+- `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row.
+A shape (`TreeShape`) is tensors, never read by the host. A tree bound to a model drafts
+`draft_depth` depths (its depth, at most gamma): its passes run that many streams.
 """
-import itertools
 import math
 
 import torch
@@ -92,7 +78,7 @@ class Template:
         self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # the top-1 chain's nodes
 
 
-class _Tree:
+class Tree:
     """What both trees share: binding to a model, which builds the template."""
 
     def bind(self, config, device, dtype, batch_size=1):
@@ -126,7 +112,7 @@ class _Tree:
         return TreeShape(self.template, sel, self.draft_depth, self.max_len, self.width)
 
 
-class CartesianTree(_Tree):
+class CartesianTree(Tree):
     def __init__(self, ks):
         self.ks = tuple(int(k) for k in ks)
         if not self.ks or min(self.ks) < 1:
@@ -162,76 +148,3 @@ class CartesianTree(_Tree):
 
     def __repr__(self):
         return ",".join(map(str, self.ks))
-
-
-class BudgetTree(_Tree):
-    def __init__(self, n_nodes, n_streams):
-        if n_nodes < 1:
-            raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
-        self.n_nodes, self.n_streams = int(n_nodes), n_streams
-        self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n is n - 1 deep
-
-    def paths(self, depth, width):
-        """Every path (rank at depth 1, rank at depth 2, ...) that can be among the best n with
-        the top-1 chain: the paths it needs (prefixes, lower ranks) and the chain fit in n."""
-        n, chain = self.n_nodes, min(depth, self.n_nodes - 1)
-
-        def need(p):  # nodes that p brings with it: its prefixes' lower ranks, the chain's rest
-            kin = sum(math.prod(r + 1 for r in p[:j]) for j in range(1, len(p) + 1))
-            return 1 + kin + max(0, chain - len(p))
-
-        out, level = [()], [()]
-        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper child
-            fits = lambda p: itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))
-            level = [p + (r,) for p in level for r in fits(p)]
-            out += level
-        return out
-
-    def shape(self, draft_logits, draft_probs=None, max_depth=None):
-        """Each row's best n template nodes, scored by the product of draft probabilities along
-        the path (ranks take the sorted probabilities of q; q is softmax(draft_logits) when greedy,
-        the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
-        first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
-        template order among ties, so the n best are a tree: a parent before its children."""
-        t = self.template
-        q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
-        top = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values
-        logq = top.clamp_min(1e-30).log().flatten(1)
-        step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
-        step[:, 0] = 0.0
-        score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
-        score = score.masked_fill(t.on_chain, torch.inf)
-        if max_depth is not None:
-            score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
-        best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes]
-        sel = best.sort(dim=1).values
-        return TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
-
-    def __repr__(self):
-        return f"n{self.n_nodes}"
-
-
-def tree_spec(tree):
-    """The spec that makes this tree again: `make_tree(tree_spec(t), g)` (None: 'none')."""
-    return "none" if tree is None else str(tree)
-
-
-def make_tree(spec, n_streams):
-    """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
-    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4) or 'none'
-    (no tree: plain decoding; None)."""
-    spec = str(spec).strip()
-    if spec == "none":
-        return None
-    if spec == "chain":
-        return CartesianTree([1] * n_streams)
-    try:
-        if spec.startswith("n"):
-            return BudgetTree(int(spec[1:]), n_streams)
-        ks = [int(k) for k in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node "
-                         "budget (e.g. n16), chain or none") from None
-    if len(ks) > n_streams:
-        raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
-    return CartesianTree(ks)

@@ -10,7 +10,7 @@ from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.kvcache import KVCache
 from ss_mini.sampling import Sampler
 from ss_mini.step import ar_step, ar_window, prefill, speculative_step
-from ss_mini.tree import make_tree
+from ss_mini.extras.budget_tree import make_tree
 
 
 def _prompts(seed, B, vocab=11):

@@ -14,7 +14,8 @@ from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.step import prefill
-from ss_mini.tree import BudgetTree, CartesianTree, make_tree
+from ss_mini.extras.budget_tree import BudgetTree, make_tree
+from ss_mini.tree import CartesianTree
 
 TREES = ["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
 

@@ -9,9 +9,9 @@ import torch
 
 from ss_mini.io.checkpoint import load_model
 from ss_mini.generate import generate_ar, generate_speculative
-from ss_mini.io.pretrained import load_gpt2
+from ss_mini.io.pretrained import crop_block_size, load_gpt2
 from ss_mini.model import GPT
-from ss_mini.tree import make_tree
+from ss_mini.extras.budget_tree import make_tree
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
     assert last < first  # stream 1 learned
     trained, tok, _ = load_model(str(out))
     base = load_gpt2(str(st), n_streams=3, n_msa_layers=1, stream_adapter_rank=4)
-    base.crop_block_size(32)
+    crop_block_size(base, 32)
     idx = torch.tensor([tok.encode("def f7(x):\n    return x + 7\n\ndef")])
     with torch.no_grad():
         assert torch.equal(trained(idx)[0], base.eval()(idx)[0])  # bit-identical main stream

@@ -8,7 +8,8 @@ from ss_mini.lab.shapes import host_shape
 from ss_mini.extras.distill import greedy_continuation
 from ss_mini.generate import generate_speculative
 from ss_mini.sampling import Sampler
-from ss_mini.tree import BudgetTree, CartesianTree, make_tree
+from ss_mini.extras.budget_tree import BudgetTree, make_tree
+from ss_mini.tree import CartesianTree
 
 
 def verify_reference(p, q, ranked, shape, u, race_u):

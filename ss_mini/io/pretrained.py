@@ -62,6 +62,14 @@ def read_state_dict(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def crop_block_size(model, block_size):
+    """Keep only the first block_size learned positions (e.g. GPT-2's 1024 -> 128)."""
+    assert block_size <= model.config.block_size
+    model.config.block_size = block_size
+    wpe = model.transformer.wpe.weight[:block_size].detach().clone()
+    model.transformer.wpe.weight = torch.nn.Parameter(wpe)
+
+
 def load_gpt2(spec, **stream_args):
     """A GPT with GPT-2's weights; stream_args (n_streams, n_msa_layers, ...) add streams."""
     cfg_path, weights = find_gpt2_files(spec)

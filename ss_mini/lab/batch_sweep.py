@@ -7,8 +7,8 @@ from . import plot
 from ..io.checkpoint import load_model
 from ..io.cli import UsageError
 from ..generate import generate_ar
-from .measure import machine, over_runs, run_interleaved, speculative, summarize, threads
-from ..tree import tree_spec
+from .measure import (machine, over_runs, run_interleaved, speculative, summarize, threads,
+                      tree_spec)
 from .tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts,
                           pick_prompts)
 

@@ -37,7 +37,7 @@ from ..extras.compile import compile_step
 from ..generate import generate_ar, generate_speculative
 from ..sampling import Sampler
 from ..step import ar_step, ar_window, prefill, speculative_step
-from ..tree import BudgetTree
+from ..extras.budget_tree import BudgetTree
 
 
 def run_interleaved(prompts, decoders):
@@ -49,6 +49,11 @@ def run_interleaved(prompts, decoders):
             k = (i + j) % len(decoders)
             results[k].append(decoders[k](p))
     return results
+
+
+def tree_spec(tree):
+    """The spec that makes this tree again: `make_tree(tree_spec(t), g)` (None: 'none')."""
+    return "none" if tree is None else str(tree)
 
 
 def run_pair(model, prompts, tree, kw, steps=None):

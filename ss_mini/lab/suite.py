@@ -11,7 +11,8 @@ from ..io.cli import UsageError
 from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_interleaved, run_pair,
                       speculative, summarize, unreliable)
 from .report import shell_quote
-from ..tree import make_tree, tree_spec
+from ..extras.budget_tree import make_tree
+from .measure import tree_spec
 from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 
 # the repository, where prompts/ lives

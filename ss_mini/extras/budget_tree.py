@@ -1,0 +1,83 @@
+"""Budget trees: each row's n most probable nodes, chosen on the device at every step, and
+`make_tree`, which makes any tree from its spec ('3,2,1', 'n16', 'chain', 'none').
+
+`BudgetTree(n)` keeps the n nodes with the largest product of draft probabilities along their
+path, the top-1 chain always in. Its template (tree.py) holds every path that can be among
+the best n (a child or a next sibling is never more probable than its node, so the best n
+are closed under "parent of" and "previous sibling of"); each step scores the template and
+keeps the n best: a different shape in every row, and still n nodes in every pass.
+"""
+import itertools
+import math
+
+import torch
+
+from ..tree import CartesianTree, Tree, TreeShape
+
+
+class BudgetTree(Tree):
+    def __init__(self, n_nodes, n_streams):
+        if n_nodes < 1:
+            raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
+        self.n_nodes, self.n_streams = int(n_nodes), n_streams
+        self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n is n - 1 deep
+
+    def paths(self, depth, width):
+        """Every path (rank at depth 1, rank at depth 2, ...) that can be among the best n with
+        the top-1 chain: the paths it needs (prefixes, lower ranks) and the chain fit in n."""
+        n, chain = self.n_nodes, min(depth, self.n_nodes - 1)
+
+        def need(p):  # nodes that p brings with it: its prefixes' lower ranks, the chain's rest
+            kin = sum(math.prod(r + 1 for r in p[:j]) for j in range(1, len(p) + 1))
+            return 1 + kin + max(0, chain - len(p))
+
+        out, level = [()], [()]
+        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper child
+            fits = lambda p: itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))
+            level = [p + (r,) for p in level for r in fits(p)]
+            out += level
+        return out
+
+    def shape(self, draft_logits, draft_probs=None, max_depth=None):
+        """Each row's best n template nodes, scored by the product of draft probabilities along
+        the path (ranks take the sorted probabilities of q; q is softmax(draft_logits) when greedy,
+        the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
+        first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
+        template order among ties, so the n best are a tree: a parent before its children."""
+        t = self.template
+        q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
+        top = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values
+        logq = top.clamp_min(1e-30).log().flatten(1)
+        step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
+        step[:, 0] = 0.0
+        score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
+        score = score.masked_fill(t.on_chain, torch.inf)
+        if max_depth is not None:
+            score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
+        best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes]
+        sel = best.sort(dim=1).values
+        return TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
+
+    def __repr__(self):
+        return f"n{self.n_nodes}"
+
+
+def make_tree(spec, n_streams):
+    """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
+    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4) or 'none'
+    (no tree: plain decoding; None)."""
+    spec = str(spec).strip()
+    if spec == "none":
+        return None
+    if spec == "chain":
+        return CartesianTree([1] * n_streams)
+    try:
+        if spec.startswith("n"):
+            return BudgetTree(int(spec[1:]), n_streams)
+        ks = [int(k) for k in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node "
+                         "budget (e.g. n16), chain or none") from None
+    if len(ks) > n_streams:
+        raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
+    return CartesianTree(ks)
