@@ -114,7 +114,7 @@ class Batch:
         n = min(max_rows or len(prompts), len(prompts))
         self.rows, self.queue = list(range(n)), list(range(n, len(prompts)))  # prompt of each row
         self.lengths = [len(self.ctx[b]) for b in self.rows]  # the host's copy of cache.length
-        self.root = [None] * n  # each row's root: its last token, cached by the next pass
+        self.last_token = [None] * n  # each row's root: its last token, cached by the next pass
         self.cache, logits, self.drafts = prefill(model, [self.ctx[b] for b in self.rows],
                                                   draft_depth, cache_slots)
         self.roots = sampler.pick(logits)  # the same roots, on the device
@@ -129,9 +129,9 @@ class Batch:
             if not toks:  # a row that did not take part (a prompt joining beside it)
                 continue
             if cached:
-                self.ctx[b] += [self.root[i]] + toks[:-1]
+                self.ctx[b] += [self.last_token[i]] + toks[:-1]
                 self.lengths[i] += len(toks)
-            self.root[i] = toks[-1]
+            self.last_token[i] = toks[-1]
             if b not in self.done:
                 finished |= self._output(b, toks, cached)
         if finished:
@@ -178,8 +178,9 @@ class Batch:
             self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
         live = [i for i in full if self.rows[i] not in self.done]
         if len(live) < len(full):
-            rest = torch.tensor([i for i in full if i not in live], device=self.roots.device)
-            self.cache.length[rest] = T // 2
+            back = torch.zeros_like(self.cache.length)
+            back[[i for i in full if i not in live]] = T // 2 - T
+            self.cache.advance(back)
         if live:
             self._fill(live)
 
@@ -229,6 +230,7 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     window, V, going = ar_window(rows.cache), model.config.vocab_size, rows.going
     while going:
         sampler.draw_ahead(pick=(len(rows.rows), V))
+        rows.cache.read_to(rows.lengths, 1)
         rows.roots = step(model, rows.cache, rows.roots, sampler, window)
         rows.stats.passes += 1
         going = rows.emit([[t] for t in rows.roots.tolist()])  # the one host read per step
@@ -257,6 +259,7 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     going, V, n, D = rows.going, cfg.vocab_size, len(tree), tree.draft_depth
     while going:
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
+        rows.cache.read_to(rows.lengths, n * (1 + D))
         out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe)
         rows.roots, rows.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read

@@ -59,7 +59,10 @@ class Sampler:
         self.gen = None
         if temperature > 0:
             self.gen = torch.Generator(device=device)
-            self.gen.manual_seed(seed if seed is not None else torch.seed())
+            if seed is None:
+                self.gen.seed()  # a fresh seed, leaving torch's global generator as it is
+            else:
+                self.gen.manual_seed(seed)
         self.drawn = {}  # uniforms drawn ahead of a compiled step, by use
 
     def uniform(self, use, like):

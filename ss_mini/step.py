@@ -51,11 +51,11 @@ class Step(NamedTuple):
     n_nodes: int
 
 
-def draft_tree(root, draft_logits, tree, sampler, max_depth):
+def draft_tree(root, draft_logits, tree, sampler, depth_limit):
     """Phase 1 (§3.2.2): candidates ranked per depth from the draft logits (B, D, V) of each
     row's last accepted position, placed into the tree's shape under the root (B,)."""
     ranked, probs = sampler.draft(draft_logits, tree.width)
-    shape = tree.shape(draft_logits, probs, max_depth)
+    shape = tree.shape(draft_logits, probs, depth_limit)
     tokens = torch.cat([root.unsqueeze(1), ranked.flatten(1).gather(1, shape.gather)], dim=1)
     return Draft(tokens, shape, ranked, draft_logits, probs)
 
@@ -63,43 +63,46 @@ def draft_tree(root, draft_logits, tree, sampler, max_depth):
 def forward_tree(model, cache, draft, tree):
     """Phase 2: one pass over every node at position L + depth, each carrying the streams of
     the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its last position:
-    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), draft logits
-    (B, n, D, V)); parallel tree pruning runs fewer nodes (extras/pruning.py)."""
+    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), every node's
+    stream logits (B, n, D, V)); parallel tree pruning runs fewer nodes (extras/pruning.py)."""
     positions = cache.length.unsqueeze(1) + draft.shape.depth
     positions = positions.clamp(max=model.config.block_size - 1)
-    main_logits, draft_logits = model.forward_nodes(
+    main_logits, stream_logits = model.forward_nodes(
         draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
         draft_depth=tree.draft_depth)
-    return draft, main_logits, draft_logits
+    return draft, main_logits, stream_logits
 
 
-def verify(draft, main_logits, sampler, max_depth):
+def verify(draft, main_logits, sampler, depth_limit):
     """Phase 3: the target's token at every node, and each row's accepted path. A node is
     accepted when every node on its path holds the token its parent emitted and it lies
-    within max_depth (B,); children hold distinct tokens, so one node per depth at most."""
+    within depth_limit (B,); children hold distinct tokens, so one node per depth at most.
+    (The root is compared with its own target too, but shape.anc leaves it out: it is always
+    accepted.)"""
     shape = draft.shape
     targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape)
     miss = draft.tokens != targets.gather(1, shape.parent)
-    miss |= shape.depth > max_depth.unsqueeze(1)
+    miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
     last = n_accepted.argmax(1) + shape.first_node  # the deepest accepted node ends the path
     return Verified(targets, n_accepted.take(last), last)
 
 
-def accept(cache, draft, verified, draft_logits, tree):
+def accept(cache, draft, verified, stream_logits, tree):
     """Phase 4: each row's path moves into its cache; its last node's target token is the next
-    root and its streams' logits the next drafts. A chain's path of a nodes is its first a
-    nodes, already in place in the cache and in the targets."""
-    n, last = verified.n_accepted, verified.last
+    root and its streams' logits (of stream_logits (B, n, D, V)) the next drafts. A chain's
+    path of a nodes is its first a nodes, already in place in the cache and in the targets."""
+    n_accepted, last = verified.n_accepted, verified.last
     if tree.is_chain:
-        cache.advance(n)
+        cache.advance(n_accepted)
         emitted = verified.targets
     else:
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
-        cache.accept(path, n)
+        cache.accept(path, n_accepted)
         emitted = verified.targets.gather(1, path)
-    next_drafts = draft_logits.flatten(0, 1).index_select(0, last)
-    return Step(n, emitted, verified.targets.take(last), next_drafts, draft.shape.n_nodes)
+    next_drafts = stream_logits.flatten(0, 1).index_select(0, last)
+    return Step(n_accepted, emitted, verified.targets.take(last), next_drafts,
+                draft.shape.n_nodes)
 
 
 def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,
@@ -108,11 +111,11 @@ def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=fo
     draft_logits (B, D, V) under each row's root (B,), and draft the next. No host sync.
     forward: phase 2 (extras/pruning.py gives another); observe(cache, drafted, ran,
     verified, step): called with what the pass did (lab/trace.py)."""
-    max_depth = model.config.block_size - 1 - cache.length  # positions stay < block_size
-    drafted = draft_tree(root, draft_logits, tree, sampler, max_depth)
-    draft, main_logits, next_draft_logits = forward(model, cache, drafted, tree)
-    verified = verify(draft, main_logits, sampler, max_depth)
-    step = accept(cache, draft, verified, next_draft_logits, tree)
+    depth_limit = model.config.block_size - 1 - cache.length  # positions stay < block_size
+    drafted = draft_tree(root, draft_logits, tree, sampler, depth_limit)
+    draft, main_logits, stream_logits = forward(model, cache, drafted, tree)
+    verified = verify(draft, main_logits, sampler, depth_limit)
+    step = accept(cache, draft, verified, stream_logits, tree)
     if observe is not None:
         observe(cache, drafted, draft, verified, step)
     return step

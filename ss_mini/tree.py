@@ -123,6 +123,9 @@ class CartesianTree(Tree):
         self.max_width, self.max_depth = max(self.ks), len(self.ks)
 
     def bind(self, config, device, dtype, batch_size=1):
+        if len(self.ks) > config.n_drafts:
+            raise ValueError(f"tree {self} has {len(self.ks)} depths, the model drafts "
+                             f"{config.n_drafts}")
         if self.max_width > config.vocab_size:
             raise ValueError(f"tree {self} asks for the top {self.max_width} tokens of a depth, "
                              f"but the vocabulary has {config.vocab_size}")

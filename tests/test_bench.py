@@ -196,6 +196,18 @@ def test_the_tree_search_picks_plain_decoding_where_no_tree_pays(monkeypatch):
     assert best == "none" and [(spec, n) for spec, n, _ in rows] == [("none", 0), ("1,1", 3)]
 
 
+def test_a_tree_must_clear_the_noise_of_plain_decoding_against_itself(monkeypatch):
+    """1,1 gains 5% (12 passes of 1.9 ms against 24 of 1 ms), more than the tie margin: chosen
+    when plain decoding measures 1.00x against itself, but not when the search's prompts put
+    plain decoding 9% away from itself (its noise); a tree that gains more is still chosen."""
+    from ss_mini.lab.tree_choice import pick
+    best, rows, _ = fake_tree_search(monkeypatch, {"none": (1, 1.0), "1,1": (2, 1.9)})
+    assert best == "1,1" and rows[1][2]["speedup"] == pytest.approx(24 / 22.8)
+    assert pick(rows, noise=0.09, tie_margin=0.02)[0] == "none"
+    assert pick(rows, noise=0.04, tie_margin=0.02)[0] == "1,1"
+    assert pick(rows[1:], noise=0.09, tie_margin=0.02)[0] == "1,1"  # no plain candidate
+
+
 def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch, capsys):
     """A row whose tree search picks plain decoding (the tree `none`) is measured and reported
     like the others: tree none, speedup 1.00x, in the JSON and in the Markdown."""

@@ -606,3 +606,19 @@ def test_repeat_rate():
     assert repeat_rate([list(range(20)), list(range(20))], n=3) == 0.0  # the same text in two outputs
     assert repeat_rate([[7] * 5], n=2) == 3 / 4
     assert repeat_rate([[1, 2]], n=3) == 0.0  # shorter than n: nothing to count
+
+
+def test_compiled_steps_stop_with_one_line_past_their_limit(monkeypatch):
+    """One graph per model, tree, batch size and sampling mode; past MAX_GRAPHS of them a step
+    says so in one line instead of failing inside torch's tracer (compiling is stubbed)."""
+    from ss_mini.extras import compile as compile_mod
+    monkeypatch.setattr(compile_mod, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(compile_mod, "_SEEN", {})
+    monkeypatch.setattr(compile_mod, "_compile", lambda step, device: step)
+    model = random_model(seed=1, std=0.4)
+    step = compile_mod.compile_step(speculative_step)
+    for spec in ("1,1", "2,1"):  # two graphs: within the limit, and the same tree again is free
+        generate_speculative(model, [1, 2, 3], 8, make_tree(spec, 3), step=step)
+        generate_speculative(model, [1, 2, 3], 8, make_tree(spec, 3), step=step)
+    with pytest.raises(RuntimeError, match="speculative_step is compiled for 2 models"):
+        generate_speculative(model, [1, 2, 3], 8, make_tree("3,1", 3), step=step)

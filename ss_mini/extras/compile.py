@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 from ..sampling import Sampler
 
 MAX_GRAPHS = 64  # graphs one step function may keep in a process (trees x batch sizes x models)
+_SEEN = {}  # per step function, what its graphs are specialised on: dynamo counts per function
 
 
 def mark_static(cache):
@@ -43,9 +44,16 @@ def _kind(arg):
     return arg.gen is None if isinstance(arg, Sampler) else repr(arg)
 
 
+def _raise_recompile_limit():
+    """Let dynamo keep MAX_GRAPHS graphs of a step (its own limit is lower)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(MAX_GRAPHS, getattr(config, name)))
+
+
 def compile_step(step):
     """`step` compiled for the device of the model it is called with (the first argument)."""
-    graphs, seen = {}, set()
+    graphs, seen = {}, _SEEN.setdefault(step, set())
 
     def run(model, cache, *args, **kwargs):
         device = model.lm_head.weight.device.type
@@ -54,15 +62,16 @@ def compile_step(step):
         key = (id(model), cache.kv[0].shape[0], *map(_kind, args))
         if key not in seen:
             if len(seen) >= MAX_GRAPHS:
-                raise RuntimeError(f"{step.__name__} compiled for {len(seen)} models, trees and "
-                                   "batch sizes in this process: decode the rest eagerly")
+                raise RuntimeError(f"{step.__name__} is compiled for {len(seen)} models, trees, "
+                                   "batch sizes and sampling modes in this process, its limit: "
+                                   "decode the rest with the eager step")
             seen.add(key)
-            torch._dynamo.config.recompile_limit = max(MAX_GRAPHS,
-                                                       torch._dynamo.config.recompile_limit)
+            _raise_recompile_limit()
         if device not in graphs:
             graphs[device] = _compile(step, device)
         if device == "cuda":
             mark_static(cache)
+        cache.span = cache.max_len  # one graph reads every slot
         return graphs[device](model, cache, *args, **kwargs)
     run.__name__ = f"compiled_{step.__name__}"
     return run

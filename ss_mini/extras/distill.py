@@ -46,22 +46,25 @@ def greedy_continuation(model, idx, where=None):
     t = torch.arange(T, device=dev) if where is None else torch.tensor(list(where), device=dev)
     m = len(t)
     masks, key = model._masks, ("greedy", T, where and (where.start, where.step), str(dev))
-    if key not in masks:  # built once, beside the training masks: the chain, then level j (parent t, or level j - 1)
+    if key not in masks:  # built once: the chain, then level j (parent t, or level j - 1)
         parents = list(range(-1, T - 1)) + t.tolist() + [T + i for i in range((g - 1) * m)]
         masks[key] = tree_mask(parents).to(dev)
     mask = masks[key]
     was_training = model.training
     model.eval()
     try:
-        # every row of the batch holds the same number of tokens, so the cache's slots are the tree's
-        # nodes: a pass's mask over all slots is its rows of the tree's mask (slots not yet written: hidden)
-        cache = KVCache(model.config, T + g * m, batch_size=B, device=dev, dtype=model.lm_head.weight.dtype)
-        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T], cache=cache, draft_depth=0)
+        # every row holds as many tokens, so the cache's slots are the tree's nodes: a pass's
+        # mask over all slots is its rows of the tree's mask (slots not yet written: hidden)
+        dtype = model.lm_head.weight.dtype
+        cache = KVCache(model.config, T + g * m, batch_size=B, device=dev, dtype=dtype)
+        logits, _ = model.forward_nodes(idx, torch.arange(T, device=dev), mask[:T], cache=cache,
+                                        draft_depth=0)
         cache.advance(torch.full((B,), T, device=dev))
         y, probs = logits[:, t].argmax(-1), []
         for j in range(1, g + 1):
             end = T + j * m
-            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end], cache=cache, draft_depth=0)
+            logits, _ = model.forward_nodes(y, (t + j).clamp(max=T - 1), mask[end - m:end],
+                                            cache=cache, draft_depth=0)
             cache.advance(torch.full((B,), m, device=dev))
             probs.append(torch.softmax(logits.float(), dim=-1))
             y = logits.argmax(-1)

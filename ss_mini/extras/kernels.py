@@ -18,11 +18,11 @@ import torch.nn.functional as F
 BIG = 1 << 18  # weight entries from which packing pays (smaller weights stay in cache anyway)
 FEW = 64  # rows up to which a product counts as few-row
 
-MKL_OPS = ("_mkl_linear", "_mkl_reorder_linear_weight")  # Linear calls both
+MKL_OPS = ("_mkl_linear", "_mkl_reorder_linear_weight")  # PackedLinear calls both
 
 
 def mkl_packing(ops=torch.ops.mkl):
-    """Whether this torch has MKL and both ops that `Linear` calls (a build may lack one of them)."""
+    """Whether this torch has MKL and both ops that PackedLinear calls (a build may lack one)."""
     return torch.backends.mkl.is_available() and all(hasattr(ops, op) for op in MKL_OPS)
 
 
@@ -33,12 +33,13 @@ class PackedLinear(nn.Linear):
     """nn.Linear; in inference on a CPU, products of 1 to 64 rows on big weights use a pack."""
 
     def forward(self, x):
-        if MKL and self.in_features * self.out_features >= BIG and x.device.type == "cpu":  # small weights: F.linear
+        big = self.in_features * self.out_features >= BIG  # small weights stay in cache anyway
+        if MKL and big and x.device.type == "cpu":
             rows = x.numel() // self.in_features
             if (0 < rows <= FEW and x.dtype == torch.float32 and not torch.is_grad_enabled()
                     and not torch.compiler.is_compiling()):
-                y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(), self.weight,
-                                              self.bias, rows)
+                y = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self._packed(),
+                                              self.weight, self.bias, rows)
                 return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -49,7 +50,8 @@ class PackedLinear(nn.Linear):
         w = self.weight
         key = (w.data_ptr(), w._version)
         if getattr(self, "_pack_key", None) != key:
-            self._pack_key, self._pack = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), FEW)
+            pack = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), FEW)
+            self._pack_key, self._pack = key, pack
         return self._pack
 
     def train(self, mode=True):
@@ -58,7 +60,7 @@ class PackedLinear(nn.Linear):
         return super().train(mode)
 
     def _apply(self, fn, *args, **kwargs):
-        self._pack_key = self._pack = None  # .to() and friends: the pack would be a copy of the old weight
+        self._pack_key = self._pack = None  # .to() and friends: the pack holds the old weight
         return super()._apply(fn, *args, **kwargs)
 
 

@@ -179,8 +179,9 @@ def products(model, n_nodes, draft_depth=None, batch_size=1):
     """The matrix products of one pass over n_nodes nodes, alone: every Linear of every layer on
     the rows that the pass carries (n_nodes main rows below the multi-stream layers,
     n_nodes (1 + g) rows in them, g streams as in GPT.forward_nodes), the LM head on the main
-    and stream rows in one call, as GPT.heads makes it (Medusa: the main rows, then its heads). draft_depth=0: an autoregressive pass (one row everywhere, no
-    draft logits). Returns a function that runs them."""
+    and stream rows in one call, as GPT.heads makes it (Medusa: the main rows, then its heads).
+    draft_depth=0: an autoregressive pass (one row everywhere, no draft logits). Returns a
+    function that runs them."""
     cfg, w, g = model.config, model.lm_head.weight, model.streams_in_pass(draft_depth)
     first = model.first_msa_layer(g)
     n = n_nodes
@@ -270,11 +271,13 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     if compiled:
         plain, spec = compile_step(ar_step), compile_step(speculative_step)
 
-    def ar():
+    def ar():  # each step attends over the slots decoding would read (eager: `read_to`)
+        caches["ar"][0].read_to([L] * batch_size, 1)
         plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
+        cache.read_to([L] * batch_size, len(t) * (1 + t.draft_depth))
         spec(model, cache, root, q, t, sampler).n_emitted.tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),

@@ -104,21 +104,37 @@ def tree_search(model, calibration, cfg, kw, log):
                   busy_speedup=statistics.median(prompt_speedups(ar, s, busy=True))))
             for spec, t, s in zip(candidates, trees, ss)]
 
-    def within(rows, key):  # the rows within tie_margin of the best of them by this measure
-        top = max(r[key] for _, _, r in rows)
-        return [row for row in rows if row[2][key] >= (1 - cfg["tie_margin"]) * top]
-
     fastest = max(rows, key=lambda row: row[2]["speedup"])
-    # among near-ties over whole decodes, a tree that keeps a batch's rows busier wins (at B = 1
-    # the same)
-    best = min(within(within(rows, "speedup"), "busy_speedup"),
-               key=lambda row: (row[1], -row[2]["mean_accepted"]))
+    # the search's own noise: how far plain decoding lands from itself on these prompts
+    plain = [s for spec, s in zip(candidates, ss) if spec == "none"]
+    noise = max(abs(x - 1) for x in prompt_speedups(ar, plain[0])) if plain else 0.0
+    best = pick(rows, noise, cfg["tie_margin"])
+    need = 1 + max(cfg["tie_margin"], noise)
     log_search(rows, fastest, best, calibration, cfg, kw, log)
+    if plain:
+        log(f"plain decoding against itself: up to {noise:.0%} apart over these prompts, so a "
+            f"tree is chosen only at {need:.2f}x or more")
     ar_ms = [s.seconds / s.passes for _, s in ar]
     if max(ar_ms) > 2 * min(ar_ms):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to "
                    f"{1e3 * max(ar_ms):.2f} ms across the calibration prompts of the tree search")
     return best[0], rows
+
+
+def pick(rows, noise, tie_margin):
+    """The row (spec, nodes, summary) to measure: a tree must gain more than the search's noise
+    (and the tie margin) over plain decoding; among the trees within tie_margin of the fastest,
+    those within tie_margin of the busiest of them (a queue's rows all decoding; alone: the
+    same); of those the fewest nodes, then the highest tau. Without plain decoding among the
+    candidates and no tree clearing the noise, every tree stays in."""
+    need = 1 + max(tie_margin, noise)
+    clear = [row for row in rows if row[1] == 0 or row[2]["speedup"] >= need] or rows
+
+    def within(rows, key):  # the rows within tie_margin of the best of them by this measure
+        top = max(r[key] for _, _, r in rows)
+        return [row for row in rows if row[2][key] >= (1 - tie_margin) * top]
+    return min(within(within(clear, "speedup"), "busy_speedup"),
+               key=lambda row: (row[1], -row[2]["mean_accepted"]))
 
 
 def log_search(rows, fastest, best, calibration, cfg, kw, log):
