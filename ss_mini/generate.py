@@ -230,7 +230,6 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     window, V, going = ar_window(rows.cache), model.config.vocab_size, rows.going
     while going:
         sampler.draw_ahead(pick=(len(rows.rows), V))
-        rows.cache.read_to(rows.lengths, 1)
         rows.roots = step(model, rows.cache, rows.roots, sampler, window)
         rows.stats.passes += 1
         going = rows.emit([[t] for t in rows.roots.tolist()])  # the one host read per step
@@ -259,7 +258,6 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     going, V, n, D = rows.going, cfg.vocab_size, len(tree), tree.draft_depth
     while going:
         sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
-        rows.cache.read_to(rows.lengths, n * (1 + D))
         out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe)
         rows.roots, rows.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read

@@ -26,12 +26,11 @@ class KVCache:
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slot, self.max_len = torch.arange(max_len, device=device), max_len
         self.row_start = torch.arange(batch_size, device=device)[:, None] * max_len
-        self.span = max_len  # the slots attention reads: every row's prefix and pass lie below
         self._dest = None  # (R, the flat slots where this pass's R rows go): made once a pass
 
     def write(self, layer, kv):
         """Store a pass's keys and values kv (B, R, 2, H, hd) at slots L[b].. of each row;
-        return the keys and the values of the first `span` slots, (B, H, span, hd) each."""
+        return the keys and the values of all slots, (B, H, max_len, hd) each."""
         if kv.requires_grad:
             raise RuntimeError("a KV cache keeps no autograd history: decode under "
                                "torch.no_grad() or torch.inference_mode()")
@@ -39,17 +38,17 @@ class KVCache:
         if self._dest is None or self._dest[0] != R:  # the first layer, and again above the streams
             self._dest = R, self.flat(self.length[:, None] + self.slot[:R])
         self.kv[layer].flatten(0, 1).index_copy_(0, self._dest[1], kv.flatten(0, 1))
-        return self.kv[layer][:, :self.span].transpose(1, 3).unbind(2)
+        return self.kv[layer].transpose(1, 3).unbind(2)
 
     def flat(self, slots):
         """Indices of slots (B, R) of each row in a layer seen as one run of B * max_len slots."""
         return (self.row_start + slots).flatten()
 
     def mask(self, window):
-        """Each row's mask over the slots read (B, 1, R, span) from a pass's `attention_window`:
-        row b's prefix is slots < L[b], its pass sits at L[b].."""
+        """Each row's mask over the cache's slots (B, 1, R, max_len) from a pass's
+        `attention_window`: row b's prefix is slots < L[b], its pass sits at L[b].."""
         R, S = window.shape[2], self.max_len
-        index = (S - self.length).view(-1, 1, 1, 1) + self.slot[:self.span]  # row b from S - L[b]
+        index = (S - self.length).view(-1, 1, 1, 1) + self.slot  # row b's window starts at S - L[b]
         return window.expand(len(self.length), -1, -1, -1).gather(3, index.expand(-1, -1, R, -1))
 
     def accept(self, path, accepted):
@@ -62,12 +61,6 @@ class KVCache:
             slots = kv.flatten(0, 1)
             slots.index_copy_(0, dst, slots.index_select(0, src))
         self.advance(accepted)
-
-    def read_to(self, lengths, pass_rows):
-        """Attend over the first slots only, where every row's prefix and next pass lie (the
-        decoder knows the lengths): fewer keys, the same attention, since the mask hides the
-        rest. A compiled step reads all slots instead (a new span would be a new graph)."""
-        self.span = min(self.max_len, -(-(max(lengths) + pass_rows) // 16) * 16)
 
     def advance(self, accepted):
         """L += accepted: the first accepted[b] rows of the pass are already in place."""

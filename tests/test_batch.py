@@ -259,9 +259,9 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
 
 @pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]], [[5, 6, 7, 8]]])
 def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
-    """Attention reads the first `span` slots of a cache (eager: KVCache.read_to, every row's
-    prefix and pass below it; compiled: all); the mask (KVCache.mask) shows row b its prefix,
-    the slots below its length L[b], and hides every slot past the pass's R rows, L[b] + R on. Checked at every pass of both decoders (the prefill's
+    """Attention reads all of a cache's slots, so every step has the same shapes; the mask
+    (KVCache.mask) shows row b its prefix, the slots below its length L[b], and hides every slot
+    past the pass's R rows, L[b] + R on. Checked at every pass of both decoders (the prefill's
     included), for rows of different lengths, of one length and one row alone: the mask's prefix
     and tail, and the same outputs and logits (float64) when every slot from each row's length
     on holds garbage before the pass, as when it holds whatever earlier passes left there."""
@@ -272,8 +272,7 @@ def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
 
     def spy(idx, pos, mask, cache=None, **kw):
         R, lengths = mask.shape[2], cache.length.tolist()
-        assert mask.shape == (len(lengths), 1, R, cache.span)
-        assert max(lengths) + R <= cache.span <= cache.max_len
+        assert mask.shape == (len(lengths), 1, R, cache.max_len)
         for b, L in enumerate(lengths):
             assert (mask[b, 0, :, :L] == 0).all()  # the prefix: seen by every row of the pass
             tail = mask[b, 0, :, L + R:]

@@ -71,7 +71,6 @@ def compile_step(step):
             graphs[device] = _compile(step, device)
         if device == "cuda":
             mark_static(cache)
-        cache.span = cache.max_len  # one graph reads every slot
         return graphs[device](model, cache, *args, **kwargs)
     run.__name__ = f"compiled_{step.__name__}"
     return run

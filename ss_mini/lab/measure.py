@@ -271,13 +271,11 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     if compiled:
         plain, spec = compile_step(ar_step), compile_step(speculative_step)
 
-    def ar():  # each step attends over the slots decoding would read (eager: `read_to`)
-        caches["ar"][0].read_to([L] * batch_size, 1)
+    def ar():
         plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
-        cache.read_to([L] * batch_size, len(t) * (1 + t.draft_depth))
         spec(model, cache, root, q, t, sampler).n_emitted.tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),

@@ -105,15 +105,16 @@ def tree_search(model, calibration, cfg, kw, log):
             for spec, t, s in zip(candidates, trees, ss)]
 
     fastest = max(rows, key=lambda row: row[2]["speedup"])
-    # the search's own noise: how far plain decoding lands from itself on these prompts
+    # the search's own noise: how far plain decoding lands from itself on these prompts (the
+    # median over them, as a tree's speedup is)
     plain = [s for spec, s in zip(candidates, ss) if spec == "none"]
-    noise = max(abs(x - 1) for x in prompt_speedups(ar, plain[0])) if plain else 0.0
+    noise = statistics.median(abs(x - 1) for x in prompt_speedups(ar, plain[0])) if plain else 0.0
     best = pick(rows, noise, cfg["tie_margin"])
     need = 1 + max(cfg["tie_margin"], noise)
     log_search(rows, fastest, best, calibration, cfg, kw, log)
     if plain:
-        log(f"plain decoding against itself: up to {noise:.0%} apart over these prompts, so a "
-            f"tree is chosen only at {need:.2f}x or more")
+        log(f"plain decoding against itself: {noise:.0%} apart (the median over these prompts), "
+            f"so a tree is chosen only at {need:.2f}x or more")
     ar_ms = [s.seconds / s.passes for _, s in ar]
     if max(ar_ms) > 2 * min(ar_ms):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to "
