@@ -125,10 +125,10 @@ def tree_search(model, calibration, cfg, kw, log):
 def pick(rows, noise, tie_margin):
     """The row (spec, nodes, summary) to measure: a tree must gain more than the search's noise
     (and the tie margin) over plain decoding while all rows decode (what tokens/s reports; at
-    B = 1 its whole decode: a queue's drain costs a speculative batch more); among the trees within tie_margin of the fastest,
-    those within tie_margin of the busiest of them (a queue's rows all decoding; alone: the
-    same); of those the fewest nodes, then the highest tau. Without plain decoding among the
-    candidates and no tree clearing the noise, every tree stays in."""
+    B = 1 its whole decode: a queue's drain costs a speculative batch more); among the trees
+    within tie_margin of the fastest, those within tie_margin of the busiest of them; of those
+    the fewest nodes, then the highest tau. Without plain decoding among the candidates and no
+    tree clearing the noise, every tree stays in."""
     need = 1 + max(tie_margin, noise)
     clear = [row for row in rows if row[1] == 0 or row[2]["busy_speedup"] >= need] or rows
 
