@@ -74,8 +74,6 @@ class Template:
         self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
         self.anc = tree_mask([-1] + parent[1:]).to(device)  # u's ancestors and u (masks.py)
-        self.anc_t = self.anc.T.float()  # a budget tree sums log q along paths, in float32
-        self.on_chain = ~(self.anc & (self.rank != 0)).any(-1)  # the top-1 chain's nodes
 
 
 class Tree:
@@ -137,7 +135,7 @@ class CartesianTree(Tree):
             paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
         return paths
 
-    def shape(self, draft_logits, draft_probs=None, max_depth=None):
+    def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """The same shape for every row and every step."""
         return self.shape_for(draft_logits.shape[0])
 

@@ -49,7 +49,7 @@ def test_a_shape_has_one_name_per_meaning():
     """The device shape's depths are a tensor, `depth`; the host view's are a list, `depths`:
     never both on one object."""
     tree = make_tree("2,1", 3).bind(random_model().config, "cpu", torch.float64)
-    shape = tree.shape(torch.randn(1, 2, 11, dtype=torch.float64), max_depth=torch.tensor([9]))
+    shape = tree.shape(torch.randn(1, 2, 11, dtype=torch.float64), depth_limit=torch.tensor([9]))
     host = host_shape(shape)
     assert torch.is_tensor(shape.depth) and not hasattr(shape, "depths")
     assert host.depths == [0, 1, 1, 2, 2] and not hasattr(host, "depth")
@@ -244,7 +244,7 @@ def test_a_tree_runs_as_many_streams_as_it_is_deep():
              for spec in ("2,1", "3,2,1", "chain", "n1", "n2", "n4", "n5", "n16")}
     assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
-    shape = tree.shape(torch.randn(1, 2, 11), max_depth=torch.tensor([9]))
+    shape = tree.shape(torch.randn(1, 2, 11), depth_limit=torch.tensor([9]))
     assert shape.window.shape[2] == 5 * (1 + 2)  # 5 main rows, 2 streams each
     assert host_shape(shape).mask(3).shape == (5 * (1 + 2), 3 + 5 * (1 + 2))
 

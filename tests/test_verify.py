@@ -71,7 +71,7 @@ def test_vectorised_verify_is_the_reference_rule(tree, kw):
         draft_logits = draft_logits[None, :t.draft_depth]  # a batch of one row, as speculative_step drafts it
         sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), seed, "cpu")
         ranked, draft_probs = sampler.draft(draft_logits, t.width)
-        shape = t.shape(draft_logits, draft_probs, max_depth=torch.tensor([3]))
+        shape = t.shape(draft_logits, draft_probs, depth_limit=torch.tensor([3]))
         n = shape.n_nodes
         p = sampler.probs(main_logits[:n])
         state = sampler.gen.get_state()
@@ -145,16 +145,16 @@ def test_what_a_tree_keeps_is_bounded_in_bytes():
     for t in (BudgetTree(8, 3), CartesianTree([2, 2, 1])):
         t.bind(config, "cpu", torch.float32)
         bound = held(t) if isinstance(t, BudgetTree) else None  # a budget tree keeps its template only
-        t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, max_depth=torch.tensor([3, 2, 1]))
+        t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, depth_limit=torch.tensor([3, 2, 1]))
         first = held(t)
         for _ in range(200):
-            shape = t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, max_depth=torch.tensor([3, 2, 1]))
+            shape = t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, depth_limit=torch.tensor([3, 2, 1]))
             assert shape.n_nodes == len(t)
             assert held(t) == first, (t, held(t), first)
         if bound is not None:
             assert first == bound <= 20_000, (t, first, bound)
         else:  # a Cartesian tree's one shape, made once for a batch of 3 rows and reused
-            assert t.shape(torch.randn(3, 3, config.vocab_size, generator=gen), max_depth=torch.tensor([3, 2, 1])) is shape
+            assert t.shape(torch.randn(3, 3, config.vocab_size, generator=gen), depth_limit=torch.tensor([3, 2, 1])) is shape
 
 
 def test_the_race_never_takes_log_zero(monkeypatch):

@@ -22,6 +22,15 @@ class BudgetTree(Tree):
         self.n_nodes, self.n_streams = int(n_nodes), n_streams
         self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n is n - 1 deep
 
+    def bind(self, config, device, dtype, batch_size=1):
+        super().bind(config, device, dtype, batch_size)
+        t = self.template
+        if getattr(self, "_scored", None) is not t:  # once per template
+            self._scored = t
+            self.anc_t = t.anc.T.float()  # scores sum log q along each path, in float32
+            self.on_chain = ~(t.anc & (t.rank != 0)).any(-1)  # the top-1 chain's nodes
+        return self
+
     def paths(self, depth, width):
         """Every path (rank at depth 1, rank at depth 2, ...) that can be among the best n with
         the top-1 chain: the paths it needs (prefixes, lower ranks) and the chain fit in n."""
@@ -38,11 +47,11 @@ class BudgetTree(Tree):
             out += level
         return out
 
-    def shape(self, draft_logits, draft_probs=None, max_depth=None):
+    def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """Each row's best n template nodes, scored by the product of draft probabilities along
         the path (ranks take the sorted probabilities of q; q is softmax(draft_logits) when greedy,
         the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
-        first; nodes deeper than a row's max_depth (block_size) come last. A stable sort keeps
+        first; nodes deeper than a row's depth_limit (block_size) come last. A stable sort keeps
         template order among ties, so the n best are a tree: a parent before its children."""
         t = self.template
         q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
@@ -50,10 +59,10 @@ class BudgetTree(Tree):
         logq = top.clamp_min(1e-30).log().flatten(1)
         step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
         step[:, 0] = 0.0
-        score = step @ t.anc_t  # log of the product along the path (anc includes u itself)
-        score = score.masked_fill(t.on_chain, torch.inf)
-        if max_depth is not None:
-            score = score.masked_fill(t.depth > max_depth[:, None], -torch.inf)
+        score = step @ self.anc_t  # log of the product along the path (anc includes u itself)
+        score = score.masked_fill(self.on_chain, torch.inf)
+        if depth_limit is not None:
+            score = score.masked_fill(t.depth > depth_limit[:, None], -torch.inf)
         best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :self.n_nodes]
         sel = best.sort(dim=1).values
         return TreeShape(t, sel, self.draft_depth, self.max_len, self.width)
