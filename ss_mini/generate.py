@@ -85,8 +85,7 @@ def _free_memory(device):
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-            return kib * 1024
+            return 1024 * next(int(line.split()[1]) for line in f if line.startswith("MemAvail"))
     except (OSError, StopIteration):
         return None
 
@@ -113,7 +112,6 @@ class Batch:
         self.emitted = 0  # tokens emitted so far (end-of-text not counted)
         n = min(max_rows or len(prompts), len(prompts))
         self.rows, self.queue = list(range(n)), list(range(n, len(prompts)))  # prompt of each row
-        self.lengths = [len(self.ctx[b]) for b in self.rows]  # the host's copy of cache.length
         self.last_token = [None] * n  # each row's root: its last token, cached by the next pass
         self.cache, logits, self.drafts = prefill(model, [self.ctx[b] for b in self.rows],
                                                   draft_depth, cache_slots)
@@ -128,9 +126,8 @@ class Batch:
         for i, (b, toks) in enumerate(zip(self.rows, new)):
             if not toks:  # a row that did not take part (a prompt joining beside it)
                 continue
-            if cached:
+            if cached:  # the cache's length is len(ctx[b]) on the host
                 self.ctx[b] += [self.last_token[i]] + toks[:-1]
-                self.lengths[i] += len(toks)
             self.last_token[i] = toks[-1]
             if b not in self.done:
                 finished |= self._output(b, toks, cached)
@@ -170,11 +167,10 @@ class Batch:
         """Rows whose cache is full keep their last block_size // 2 tokens (one prefill pass);
         a finished row riding along only moves back, its tokens being dropped anyway."""
         T = self.model.config.block_size
-        full = [i for i, L in enumerate(self.lengths) if L == T]
+        full = [i for i, b in enumerate(self.rows) if len(self.ctx[b]) == T]
         if not full:
             return
         for i in full:
-            self.lengths[i] = T // 2
             self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
         live = [i for i in full if self.rows[i] not in self.done]
         if len(live) < len(full):
@@ -188,7 +184,7 @@ class Batch:
         """The next prompts waiting take the rows `free`: one prefill pass, their first tokens."""
         for i in free:
             b = self.rows[i] = self.queue.pop(0)
-            self.lengths[i], self.started[b] = len(self.ctx[b]), time.perf_counter()
+            self.started[b] = time.perf_counter()
         logits = self._fill(free)
         roots = self.sampler.pick(logits)
         self.roots[torch.tensor(free, device=roots.device)] = roots
@@ -205,6 +201,10 @@ class Batch:
             self.drafts[index] = drafts
         self.stats.passes += 1
         return logits
+
+    def contexts(self):
+        """Each row's decoded tokens, its root last (drafts from the text: extras/lookup.py)."""
+        return [self.ctx[b] + [t] for b, t in zip(self.rows, self.last_token)]
 
     def finish(self, single):
         """The outputs (end-of-text dropped) and the Stats."""
@@ -257,8 +257,11 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
                  sampler, batch_size)
     going, V, n, D = rows.going, cfg.vocab_size, len(tree), tree.draft_depth
     while going:
-        sampler.draw_ahead(draft=(B, D, V), verify=(B * n, tree.width), residual=(B * n, V))
-        out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe)
+        sampler.draw_ahead(draft=(B, D, V), look=(B * n, 1), verify=(B * n, tree.width),
+                           residual=(B * n, V))
+        lookup = tree.lookup(rows.contexts()) if tree.lookup_length else None
+        out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe,
+                   lookup=lookup)
         rows.roots, rows.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read
         rows.stats.passes += 1

@@ -95,11 +95,12 @@ class Sampler:
         keys = _race(draft_probs, self.uniform("draft", draft_probs))
         return torch.topk(keys, width, dim=-1).indices, draft_probs
 
-    def verify(self, main_logits, draft_probs, ranked, shape):
+    def verify(self, main_logits, draft_probs, ranked, shape, look=None):
         """The token the target emits at each node (..., n_nodes): argmax, or speculative
         sampling (recursive rejection over the node's children; see the class docstring, and
         tests/test_generate.py `verify_reference` for the same rule one node at a time).
-        main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`.
+        main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`; look (..., n_nodes):
+        a child drafted from the text (-1: none), tried first as a point mass (extras/lookup.py).
 
         Vectorised over the nodes of every row: in round r every node that has an (r+1)-th
         child and has accepted none tries it; the others sit the round out with q = 0
@@ -118,6 +119,12 @@ class Sampler:
         p = p_target = self.probs(main_logits).reshape(-1, V)
         u = self.uniform("verify", cand)
         ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)
+        if look is not None:  # a child from the text: a point mass, tried first
+            has, y = look.reshape(-1, 1) >= 0, look.reshape(-1, 1).clamp_min(0)
+            py = p.gather(1, y)
+            ys = torch.where(has & (self.uniform("look", y) < py), y, ys)  # min(1, p(y) / 1)
+            rest = p.scatter(1, y, 0.0) / (1 - py).clamp_min(1e-30)  # rejected: p without y
+            p, q = torch.where(has, rest, p), q.masked_fill(ys >= 0, 0.0)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)

@@ -23,12 +23,15 @@ from .tree import TreeShape
 class Draft(NamedTuple):
     """A tree draft in every row: tokens (B, n), the root first; its shape; the ranked
     candidates of each depth (B, D, width); the draft logits (B, D, V) they came from and the
-    distributions sampled from them (None if greedy)."""
+    distributions sampled from them (None if greedy); when sampling with drafts from the text,
+    each node's twin and the token from the text it tries as a child (extras/lookup.py)."""
     tokens: torch.Tensor
     shape: TreeShape
     ranked: torch.Tensor
     logits: torch.Tensor
     probs: torch.Tensor | None
+    twin: torch.Tensor | None = None
+    look: torch.Tensor | None = None
 
 
 class Verified(NamedTuple):
@@ -51,13 +54,18 @@ class Step(NamedTuple):
     n_nodes: int
 
 
-def draft_tree(root, draft_logits, tree, sampler, depth_limit):
+def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
     """Phase 1 (§3.2.2): candidates ranked per depth from the draft logits (B, D, V) of each
-    row's last accepted position, placed into the tree's shape under the root (B,)."""
+    row's last accepted position, placed into the tree's shape under the root (B,); and the
+    tokens of lookup (B, m), drafted from the decoded text, where a lookup tree puts them."""
     ranked, probs = sampler.draft(draft_logits, tree.width)
     shape = tree.shape(draft_logits, probs, depth_limit)
-    tokens = torch.cat([root.unsqueeze(1), ranked.flatten(1).gather(1, shape.gather)], dim=1)
-    return Draft(tokens, shape, ranked, draft_logits, probs)
+    candidates = ranked.flatten(1)
+    if lookup is not None:  # after the ranked candidates (tree.py: Template)
+        candidates = torch.cat([candidates, lookup], 1)
+    tokens = torch.cat([root.unsqueeze(1), candidates.gather(1, shape.gather)], dim=1)
+    links = tree.link(tokens) if lookup is not None and probs is not None else ()
+    return Draft(tokens, shape, ranked, draft_logits, probs, *links)
 
 
 def forward_tree(model, cache, draft, tree):
@@ -80,7 +88,9 @@ def verify(draft, main_logits, sampler, depth_limit):
     (The root is compared with its own target too, but shape.anc leaves it out: it is always
     accepted.)"""
     shape = draft.shape
-    targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape)
+    targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape, draft.look)
+    if draft.twin is not None:  # one draw per path of tokens (extras/lookup.py)
+        targets = targets.gather(1, draft.twin)
     miss = draft.tokens != targets.gather(1, shape.parent)
     miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
@@ -106,13 +116,13 @@ def accept(cache, draft, verified, stream_logits, tree):
 
 
 def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,
-                     observe=None):
+                     observe=None, lookup=None):
     """One pass of Speculative Streaming over the batch: verify the tree drafted from
-    draft_logits (B, D, V) under each row's root (B,), and draft the next. No host sync.
-    forward: phase 2 (extras/pruning.py gives another); observe(cache, drafted, ran,
-    verified, step): called with what the pass did (lab/trace.py)."""
+    draft_logits (B, D, V) (and lookup, drafts from the text) under each row's root (B,), and
+    draft the next. No host sync. forward: phase 2 (extras/pruning.py gives another);
+    observe(cache, drafted, ran, verified, step): called with what the pass did (lab/trace.py)."""
     depth_limit = model.config.block_size - 1 - cache.length  # positions stay < block_size
-    drafted = draft_tree(root, draft_logits, tree, sampler, depth_limit)
+    drafted = draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup)
     draft, main_logits, stream_logits = forward(model, cache, drafted, tree)
     verified = verify(draft, main_logits, sampler, depth_limit)
     step = accept(cache, draft, verified, stream_logits, tree)

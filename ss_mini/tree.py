@@ -8,7 +8,9 @@ of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed *template* 
 parents first, and at each step a choice of n of them per row:
 - `CartesianTree(ks)`: the paper's tree, top-k_j candidates under every node of depth j-1,
   1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
-- `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row.
+- `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row;
+- `LookupTree(ks, m)` (extras/lookup.py): `ks` plus a chain of m tokens from the decoded
+  text under the root, its nodes of rank -1 (not a rank of q).
 A shape (`TreeShape`) is tensors, never read by the host. A tree bound to a model drafts
 `draft_depth` depths (its depth, at most gamma): its passes run that many streams.
 """
@@ -27,13 +29,12 @@ class TreeShape:
     window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
     the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
     out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
-    (B, n, width), 1.0 where node u has an (r+1)-th child, and cand_row, the depth of q its
-    children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u.
+    (B, n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row, the depth of q
+    its children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u.
     gather (B, n-1): where each node after the root finds its token among the ranked
-    candidates, (depth - 1) * width + rank."""
+    candidates, (depth - 1) * width + rank, or after them (drafts from the text)."""
 
-    def __init__(self, template, sel, n_streams, max_len, width):
-        t = template
+    def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
         self.n_nodes, self.width = n, width
         self.sel = sel  # the template nodes of each row, (B, n), ascending: parents first
@@ -48,7 +49,7 @@ class TreeShape:
         anc = t.anc[sel[:, :, None], sel[:, None, :]]
         self.anc = anc.clone()
         self.anc[:, :, 0] = False
-        ones = torch.ones(B, n - 1, device=sel.device)
+        ones = (self.rank[:, 1:] >= 0).float()  # children drafted by q
         children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
         self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()
         self.max_children = min(width, t.max_children)
@@ -58,9 +59,10 @@ class TreeShape:
 
 class Template:
     """A tree's template: every node it may use, as (rank at depth 1, rank at depth 2, ...)
-    paths in topological order, with the tensors that every shape gathers from."""
+    paths in topological order, with the tensors that every shape gathers from. Rank -1 is a
+    draft from the text: its token comes after the ranked candidates of n_ranked depths."""
 
-    def __init__(self, paths, width, device, dtype):
+    def __init__(self, paths, width, n_ranked, device, dtype):
         index = {p: i for i, p in enumerate(paths)}
         self.size, self.dtype = len(paths), dtype
         parent = [0] + [index[p[:-1]] for p in paths[1:]]
@@ -68,10 +70,12 @@ class Template:
         depths = [len(p) for p in paths]
         D = max(depths)
         self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # ranks 0..m-1
+        self.is_chain = parent[1:] == list(range(len(paths) - 1))  # a path is then a prefix
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # root..u
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
-        self.gather = t([0] + [(len(p) - 1) * width + p[-1] for p in paths[1:]])
+        self.gather = t([0] + [(len(p) - 1) * width + p[-1] if p[-1] >= 0
+                               else n_ranked * width + len(p) - 1 for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
         self.anc = tree_mask([-1] + parent[1:]).to(device)  # u's ancestors and u (masks.py)
 
@@ -94,20 +98,17 @@ class Tree:
             # the cache's slots: the accepted tokens, then a pass's rows
             self.max_len = config.block_size + len(self) * (1 + draft_depth)
             paths = self.paths(min(self.max_depth, config.n_drafts), width)
-            self.template = Template(paths, width, device, dtype)
-            self.is_chain = self.template.max_children <= 1  # a path is then a prefix
+            self.template = Template(paths, width, draft_depth, device, dtype)
+            self.is_chain = self.template.is_chain
             self.fixed = {}  # a Cartesian tree's one shape, per batch size
         if isinstance(self, CartesianTree):
             self.shape_for(batch_size)  # built here, outside a compiled step
         return self
 
+    lookup_length = 0  # tokens drafted from the decoded text (extras/lookup.py)
+
     def __len__(self):
         return self.n_nodes
-
-    def subshape(self, shape, kept):
-        """The shape of a one-row shape's nodes `kept` (ascending, closed under parents)."""
-        sel = shape.sel[:, kept]
-        return TreeShape(self.template, sel, self.draft_depth, self.max_len, self.width)
 
 
 class CartesianTree(Tree):
@@ -116,8 +117,6 @@ class CartesianTree(Tree):
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"tree {ks!r}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
         self.n_nodes = sum(math.prod(self.ks[:j]) for j in range(len(self.ks) + 1))
-        if self.n_nodes > MAX_NODES:
-            raise ValueError(f"tree {self} has {self.n_nodes} nodes; use at most {MAX_NODES}")
         self.max_width, self.max_depth = max(self.ks), len(self.ks)
 
     def bind(self, config, device, dtype, batch_size=1):

@@ -19,7 +19,7 @@ def _prompts(seed, B, vocab=11):
             for _ in range(B)]
 
 
-@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "2,2", "n8", "n16"])
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "2,2", "n8", "n16", "1,1+L4", "L4"])
 @pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)], ids=["streams", "medusa"])
 def test_every_row_of_a_batch_is_its_prompt_decoded_alone(spec, drafter):
     """B up to 8, prompts of 1 to 23 tokens, 70 new tokens (past block_size 32: rows slide their
@@ -49,7 +49,8 @@ def test_a_batch_of_one_is_the_single_prompt_api():
     assert batch == [single] and s1.passes == s2.passes and s1.accepted == s2.accepted
 
 
-@pytest.mark.parametrize("spec, kw", [("3,2", SAMPLING[0]), ("n6", SAMPLING[1]), ("1,1", SAMPLING[2])])
+@pytest.mark.parametrize("spec, kw", [("3,2", SAMPLING[0]), ("n6", SAMPLING[1]), ("1,1", SAMPLING[2]),
+                                      ("2,1+L3", SAMPLING[1])])
 def test_sampling_is_lossless_in_every_row_of_a_batch(spec, kw):
     """Four rows of the same prompt, one generator for the batch: each row's first three tokens
     follow the exact distribution (by enumeration), row by row."""
@@ -204,7 +205,7 @@ def _count_syncs(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "n8"])
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "n8", "2,1+L3"])
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=5)], ids=["greedy", "sampling"])
 def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     """speculative_step (draft, forward, verify, accept) and ar_step read nothing back to the host;
@@ -216,8 +217,9 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     root = sampler.pick(logits)
     with torch.inference_mode():
         calls = _count_syncs(monkeypatch)
+        lookup = tree.lookup([[1, 2, 3, 1], [4, 5, 4]]) if tree.lookup_length else None
         for _ in range(3):
-            out = speculative_step(model, cache, root, drafts, tree, sampler)
+            out = speculative_step(model, cache, root, drafts, tree, sampler, lookup=lookup)
             root, drafts = out.root, out.draft_logits
         ar_step(model, cache, root, sampler, ar_window(cache))
     assert calls == []

@@ -15,9 +15,11 @@ from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.step import prefill
 from ss_mini.extras.budget_tree import BudgetTree, make_tree
+from ss_mini.extras.lookup import lookup
 from ss_mini.tree import CartesianTree
 
-TREES = ["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
+TREES = (["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
+         + ["1,1,1+L4", "L4", "3,2+L3", "1+L6"])  # with drafts from the text (extras/lookup.py)
 
 
 @pytest.mark.parametrize("spec", TREES)
@@ -77,7 +79,7 @@ def test_compiled_decoders_match_eager():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     attrs = set(vars(model))
     fast_ar, fast_ss = compile_step(ar_step), compile_step(speculative_step)
-    for spec, prompt in (("1,1,1", [1, 2, 3]), ("n5", [4] * 9)):
+    for spec, prompt in (("1,1,1+L3", [1, 2, 3, 1, 2]), ("n5", [4] * 9)):
         tree = make_tree(spec, 3)
         ar = generate_ar(model, prompt, 40)[0]
         assert generate_ar(model, prompt, 40, step=fast_ar)[0] == ar
@@ -88,8 +90,10 @@ def test_compiled_decoders_match_eager():
     assert generate_speculative(model, prompts, 40, tree, eot=eot, step=fast_ss)[0] == want
     assert generate_ar(model, prompts, 40, eot=eot, step=fast_ar)[0] == want
     kw = dict(temperature=0.9, top_k=5, seed=3)
-    assert (generate_speculative(model, [1, 2], 20, tree, step=fast_ss, **kw)[0]
-            == generate_speculative(model, [1, 2], 20, tree, **kw)[0])
+    for spec in ("n5", "1,1+L3"):
+        tree = make_tree(spec, 3)
+        assert (generate_speculative(model, [1, 2, 1], 20, tree, step=fast_ss, **kw)[0]
+                == generate_speculative(model, [1, 2, 1], 20, tree, **kw)[0])
     # the eager model is untouched: no new attribute, the same weights, and it still decodes eagerly
     assert set(vars(model)) == attrs and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert generate_speculative(model, prompt, 40, tree)[0] == ar
@@ -294,12 +298,15 @@ def _sample_counts(generate, n):
 STREAMS, MEDUSA = dict(n_streams=2), dict(n_streams=0, n_medusa_heads=3)
 
 
-# a chain, several children per node, a budget tree; and more children than top_k leaves tokens:
+# a chain, several children per node, a budget tree, lookup branches (points masses whose nodes
+# may repeat a stream branch); and more children than top_k leaves tokens:
 # ranks 2 and 3 of "4,1" hold tokens that q never draws, tried after q's support is used up.
 # Medusa's 3 heads with trees less deep than 3: a pass drafts only the depths its tree uses
 @pytest.mark.parametrize("spec, kw, drafter", [(spec, kw, STREAMS) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
                          + [("4,1", dict(temperature=0.9, top_k=2), STREAMS),
-                            ("1,1", dict(temperature=0.8), MEDUSA), ("3,2", SAMPLING[1], MEDUSA)],
+                            ("1,1", dict(temperature=0.8), MEDUSA), ("3,2", SAMPLING[1], MEDUSA)]
+                         + [("1,1+L3", SAMPLING[0], STREAMS), ("L3", SAMPLING[1], STREAMS),
+                            ("3,2+L2", SAMPLING[2], STREAMS), ("2,1+L3", SAMPLING[1], MEDUSA)],
                          ids=lambda v: ("medusa" if v.get("n_medusa_heads") else "streams") if "n_streams" in v
                          else "-".join(f"{k}{x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
 def test_speculative_sampling_is_lossless(spec, kw, drafter):
@@ -622,3 +629,73 @@ def test_compiled_steps_stop_with_one_line_past_their_limit(monkeypatch):
         generate_speculative(model, [1, 2, 3], 8, make_tree(spec, 3), step=step)
     with pytest.raises(RuntimeError, match="speculative_step is compiled for 2 models"):
         generate_speculative(model, [1, 2, 3], 8, make_tree("3,1", 3), step=step)
+
+
+# ---------------------------------------------------------------- drafts from the text
+
+def test_lookup_finds_the_latest_longest_match():
+    """The continuation of the latest earlier occurrence of the longest suffix (3, 2, then 1
+    tokens), a loop continued past the end, None without a match; any token id up to 2**20."""
+    assert lookup([5, 1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2) == [9, 2]  # 1,2,3 at 1 (not 2,3 at 5)
+    assert lookup([4, 2, 3, 8, 2, 3], 3) == [8, 2, 3]  # 2,3 at 1; the end reached: it loops
+    assert lookup([7, 7], 3) == [7, 7, 7]
+    assert lookup([1, 2, 3], 2) is None and lookup([1], 2) is None
+    big = [55_296, 60_000, 2**20 - 1]  # surrogate code points and beyond: still one character
+    assert lookup(big + big[:2], 2) == [2**20 - 1, 55_296]
+
+
+def test_lookup_nodes_twin_the_stream_nodes_on_their_path():
+    """Tree 2,1+L3: stream nodes root, a, b (depth 1), a', b' (their children, depth 2), then
+    the lookup chain L1..L3. When the lookup drafts b, c, x and the streams b at depth 1 and c at
+    depth 2, L1 and L2 repeat the path root-b-c: they take the targets of b and of its child,
+    and the lookup's x is tried first under that child and under L2's twin path only."""
+    model = random_model(seed=0, n_streams=2)
+    tree = make_tree("2,1+L3", 2).bind(model.config, "cpu", torch.float64)
+    a, b, c, x, r = 5, 6, 7, 8, 1
+    tokens = torch.tensor([[r, a, b, c, c, b, c, x],  # b and c on the streams: twins
+                           [r, a, b, c, c, 9, c, x]])  # the lookup leaves the streams at once
+    twin, look = tree.link(tokens)
+    assert twin.tolist() == [[0, 1, 2, 3, 4, 2, 4, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert look.tolist() == [[b, -1, c, -1, x, -1, -1, -1], [9, -1, -1, -1, -1, c, x, -1]]
+
+
+@pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
+def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
+    """50,000 nodes, each with 0 to 2 children drawn from q and a token from the text (any token,
+    of probability 0 too, or none) tried first: the emitted tokens follow p exactly."""
+    V, n = 6, 50_000
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(8, V, generator=gen) * 1.5
+    logits = base.repeat(n // 8, 1)
+    q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
+    sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
+    ranked, q = sampler.draft(q_logits, 2)
+    children = torch.arange(n) // 8 % 3  # 0, 1 or 2 children from q
+    tries = (torch.arange(2) < children[:, None]).float()
+    shape = SimpleNamespace(cand_row=torch.arange(n), tries=tries, max_children=2)
+    look = torch.randint(-1, V, (n,), generator=gen)
+    ys = sampler.verify(logits, q, ranked, shape, look)
+    p = target_probs(base, **kw)
+    for i in range(8):
+        got = torch.bincount(ys[i::8], minlength=V).tolist()
+        assert not [t for t in range(V) if p[i, t] == 0 and got[t]]
+        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)}, dict(enumerate(p[i].tolist())), n // 8)
+        assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
+    assert 1000 < (ys == look).sum() < n - 1000  # drafts from the text accepted and rejected
+
+
+@pytest.mark.parametrize("spec", ["1+L2", "2,1+L3", "L3"])
+def test_lookup_branches_sample_exactly(spec):
+    """A near-uniform model on 3 tokens after a periodic prompt: the lookup's drafts often repeat
+    a stream branch and are often right, so a twin that kept its own draw would pick the deeper
+    of two draws and bias the output (this test then fails). 64 rows x 40 seeds, pooled."""
+    model = random_model(seed=1, std=0.1, vocab_size=3, n_streams=2, block_size=16)
+    prompt, k, kw = [0, 1, 2, 0, 1, 2, 1], 4, dict(temperature=1.0)
+    probs = _exact_first_tokens(model, prompt, k, **kw)
+    counts = {}
+    for i in range(40):
+        outs, _ = generate_speculative(model, [prompt] * 64, k, make_tree(spec, 2), seed=i, **kw)
+        for out in outs:
+            counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    ok, stat, crit = _chi_square_ok(counts, probs, 64 * 40)
+    assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"

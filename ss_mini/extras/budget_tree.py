@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..tree import CartesianTree, Tree, TreeShape
+from .lookup import LookupTree
 
 
 class BudgetTree(Tree):
@@ -73,9 +74,22 @@ class BudgetTree(Tree):
 
 def make_tree(spec, n_streams):
     """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
-    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4) or 'none'
-    (no tree: plain decoding; None)."""
+    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4), 'none'
+    (no tree: plain decoding; None); '+L4' after a Cartesian tree adds a chain of 4 tokens
+    drafted from the decoded text, and 'L4' alone is prompt-lookup decoding (extras/lookup.py)."""
     spec = str(spec).strip()
+    usage = (f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node budget (e.g. "
+             "n16), chain or none, and + L and a length to add a lookup branch (1,1,1+L4, L4)")
+    streams, plus, chain = spec.rpartition("L") if "L" in spec else (spec, "", "")
+    if plus:
+        if streams and not streams.endswith("+") or not chain.isdigit():
+            raise ValueError(usage)
+        streams = streams[:-1]
+        if streams.startswith("n") or streams in ("none", "chain"):
+            raise ValueError(f"--tree={spec}: a lookup branch goes with a top-k tree (e.g. "
+                             "1,1,1+L4) or alone (L4)")
+        tree = make_tree(streams, n_streams) if streams else None
+        return LookupTree(tree.ks if tree else (), int(chain))
     if spec == "none":
         return None
     if spec == "chain":
@@ -85,8 +99,7 @@ def make_tree(spec, n_streams):
             return BudgetTree(int(spec[1:]), n_streams)
         ks = [int(k) for k in spec.split(",")]
     except ValueError:
-        raise ValueError(f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node "
-                         "budget (e.g. n16), chain or none") from None
+        raise ValueError(usage) from None
     if len(ks) > n_streams:
         raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
     return CartesianTree(ks)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..model import GPT
 from ..step import speculative_step
+from ..tree import TreeShape
 
 
 class PruningAdapter(nn.Module):
@@ -91,7 +92,8 @@ def pruned_forward(model, cache, draft, tree, threshold):
             alive[u] = alive[parents[u]] and p_edge[u - 1] >= threshold
         kept = [u for u in range(n) if alive[u]]
         if len(kept) < n:
-            shape = tree.subshape(shape, kept)
+            shape = TreeShape(tree.template, shape.sel[:, kept], tree.draft_depth, tree.max_len,
+                              tree.width)
             k = torch.tensor(kept, device=h.device)
             for kv in cache.kv[:model.first_msa_layer(tree.draft_depth)]:
                 kv[:, L:L + len(kept)] = kv[:, L + k]

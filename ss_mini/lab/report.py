@@ -49,8 +49,8 @@ def table_markdown(doc):
            f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row "
            f"the median of {doc['repeats']} runs (the range in brackets), the rows taking turns "
            "run by run.", "",
-           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ | "
-           "CR | output repeats |",
+           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ "
+           "| CR | output repeats |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         text = "held-out" if r["prompts"] == "held-out" else f"never seen, `{r['prompts']}`"
