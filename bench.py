@@ -52,6 +52,7 @@ from ss_mini.model import GPTConfig
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.suite import suite
 from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras.lookup import LookupTree
 from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs,
                                      n_prompts, pick_prompts, validation_prompts)
 
@@ -67,15 +68,18 @@ config = dict(
     top_k=0,
     top_p=1.0,
     seed=1337,
-    # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or auto
+    # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or
+    # auto; +LM adds a branch of M tokens drafted from the decoded text (1,1+L8), LM alone is
+    # prompt-lookup decoding (extras/lookup.py)
     tree="auto",
     # the trees auto and sweep try
-    candidates="none;1,1;1,1,1;1,1,1,1;2,1,1;3,1,1;2,2,1;3,2,1;n4;n5;n6;n8;n12;n16;n24;n32",
+    candidates=("none;1,1;1,1,1;1,1,1,1;2,1,1;3,2,1;n4;n8;n16;"
+                "L4;L8;L12;1+L4;1+L8;1+L12;1,1+L8;2,1+L8;1,1,1+L8"),
     # prompts decoded at once, as one batch (rows drawn from the prompts, of different lengths)
     batch_size=1,
     # plain and speculative tokens/s at batch sizes 1, 2, 4, ... (a tree search at each)
     batch_sweep=False,
-    batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8",  # the trees --batch_sweep tries at each
+    batch_candidates="none;1;1,1;1,1,1;1,1,1,1;2,1,1;n8;L8;1+L8",  # what --batch_sweep tries
     # --batch_sweep: 1, 2, 4, ..., 32, then on while plain decoding still gains 10%, up to this
     # (size B decodes 4 B prompts a run, which keeps the sweep within minutes)
     max_batch_size=256,
@@ -239,6 +243,7 @@ def profile(model, prompts, tree, kw, log):
         "forward passes, prefill and window rebuilds included":
             seconds(("forward_nodes", "pruned_forward")),
         "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
+        "drafts from the text (lookup on the host, twins)": seconds(("lookup", "link")),
         "masks (each row's window over the cache)": seconds(("mask",)),
         "verify (the target's tokens)": seconds(("verify", "pick")),
         "accept (cache compaction, lengths)": seconds(("accept", "advance")),
@@ -413,20 +418,48 @@ def log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
 
 
+def lookup_baseline(tree):
+    """Prompt-lookup decoding with the same model, cache and step, to compare a tree with: L
+    and the tree's lookup length (L4 for a tree without one); None for a lookup-only tree."""
+    if tree is None or (tree.lookup_length and not tree.ks):
+        return None
+    return LookupTree((), tree.lookup_length or 4)
+
+
 def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
-    """--repeats runs of plain and speculative decoding (and both compiled, with --compile),
-    interleaved on every prompt; each run is a list of results per decoder."""
+    """--repeats runs of plain and speculative decoding (and both compiled, with --compile; and
+    last the lookup baseline), interleaved on every prompt; each run a list of results per
+    decoder."""
     decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
     if cfg["compile"]:
         steps, t0 = compiled_steps(), time.perf_counter()
         run_pair(model, calibration, tree, kw, steps)  # compiles the token and the tree steps
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
         decoders += [plain(model, kw, steps), speculative(model, tree, kw, steps)]
+    lookup = lookup_baseline(tree)
+    if lookup is not None:
+        decoders.append(speculative(model, lookup, kw))
+        run_pair(model, calibration[:1], lookup, kw)  # warm-up
     runs = []
     for i in range(cfg["repeats"]):
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
         runs.append(run_interleaved(prompts, decoders))
     return runs
+
+
+def lookup_report(runs, r, tree, log):
+    """The lookup baseline (the last decoder of each run) against plain decoding and the tree:
+    (its summary, the answer's line)."""
+    lk = [summarize(run[0], run[-1]) for run in runs]
+    ratio = [run_r["ss_tokens_per_s"] / x["ss_tokens_per_s"]
+             for run_r, x in zip([summarize(*run[:2]) for run in runs], lk)]
+    m = lk[r["median_run"]]
+    name = lookup_baseline(tree)
+    line = (f"prompt-lookup decoding alone ({name}, this model, cache and step): "
+            f"{m['speedup']:.2f}x plain, tau {m['mean_accepted']:.2f}; tree {tree_name(tree)} "
+            f"{statistics.median(ratio):.2f}x it ({min(ratio):.2f}-{max(ratio):.2f}x)")
+    log("  " + line)
+    return dict(m, tree=str(name), tree_over_lookup=ratio), line
 
 
 def prompts_phrase(cfg, prompts):
@@ -544,9 +577,12 @@ def bench(cfg, device, dtype, progress):
                     {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})
     log(roof.pop("line"))
     result = {}
+    if lookup_baseline(tree) is not None:
+        result["lookup_only"], line = lookup_report(runs, r, tree, log)
+        answer.insert(1, line)
     if cfg["compile"]:
-        result["compiled"], line = compiled_report(model, runs[r["median_run"]], cfg, device,
-                                                   dtype, log)
+        median = runs[r["median_run"]][:4]  # plain, speculative, both compiled
+        result["compiled"], line = compiled_report(model, median, cfg, device, dtype, log)
         answer.insert(1, line)
     if cfg["prune_threshold"]:
         result["pruning"] = pruning_report(model, prompts, tree, kw, cfg["prune_threshold"], log)

@@ -96,16 +96,21 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
                          "--prompt_tokens=16", "--candidates=1,1;n4", "--repeats=2"])
     assert len(result["speedups"]) == 2 and result["speedup"] == min(result["speedups"])
     assert result["speedup_range"] == [min(result["speedups"]), max(result["speedups"])]
-    measured = seen[-4:]  # 2 runs x 2 prompts
-    assert len({t for t, _, _ in measured}) == 1 and measured[0][1] == result["tree"]
-    warmed = [p for t, _, p in seen[:-4] if t == measured[0][0]]
+    # 2 runs x 2 prompts of the tree, and of the lookup baseline beside it
+    lookup = [s for s in seen[-8:] if s[1] == "L4"]
+    measured = [s for s in seen[-8:] if s[1] != "L4"]
+    assert len(lookup) == 4 and result["lookup_only"]["tree"] == "L4"
+    assert len(measured) == 4 and len({t for t, _, _ in measured}) == 1
+    assert measured[0][1] == result["tree"]
+    warmed = [p for t, _, p in seen[:-8] if t == measured[0][0]]
     # warmed up on the calibration prompts
     assert warmed and not set(warmed) & {p for _, _, p in measured}
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"speedup {result['speedup']:.2f}x")
     assert f"tree {result['tree']}" in out[0]
     assert "greedy" in out[0] and "over 2 runs" in out[0]
-    repeats = out[1].startswith("most of this speedup is drafting repeated text")
+    assert out[1].startswith("prompt-lookup decoding alone (L4, ")
+    repeats = out[2].startswith("most of this speedup is drafting repeated text")
     assert (result["repeat_rate"] > 0.5) == repeats
     assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
 

@@ -41,6 +41,9 @@ CASES = {  # name: (model, tree, decoding settings)
                       dict(temperature=1.2, top_p=0.9, seed=5)),
     "pruned cartesian": (pruning_model, "3,2,1", dict(prune_threshold=0.2)),
     "pruned budget": (pruning_model, "n16", dict(prune_threshold=0.2)),
+    "greedy lookup": (lambda: random_model(seed=2, std=0.4), "2,1+L4", {}),
+    "sampled lookup": (lambda: random_model(seed=1, std=0.4), "1,1+L3", dict(temperature=1.0, seed=7)),
+    "pruned lookup": (pruning_model, "2,1+L3", dict(prune_threshold=0.2)),
 }
 
 
@@ -107,7 +110,10 @@ def test_trace_replays_to_the_output(case):
             # only a node past the block's end
             elif status == "unreached" and node["parent"] in path:
                 assert p["cache_length"] + node["depth"] > model.config.block_size - 1
+            elif status == "twin":  # a draft from the text and a stream node: the same tokens
+                assert "text" in nodes[u]["source"] or any("text" in str(nodes[v]["source"]) for v in path)
             assert (status in ("root", "accepted")) == (u in path)
+            assert (node["source"] is None) == (u == 0) and (node["rank"] < 0) == ("text" in str(node["source"]))
     # tracing changes nothing: the same call without it gives the same tokens (sampling included)
     make_model, spec, _ = CASES[case]
     fresh = make_model()
@@ -115,6 +121,8 @@ def test_trace_replays_to_the_output(case):
                                 **decoding(fresh, kw))[0] == out
     if case.startswith("pruned"):
         assert any(p["pruned"] for p in data["passes"])  # this model and threshold do prune
+    if case.endswith("lookup"):  # both sources had drafts accepted
+        assert {"streams", "text"} <= set(data["summary"]["accepted_by_source"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -145,6 +153,9 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
         probs = torch.softmax(step["q"].double(), -1)
         for u in nodes[1:]:
             d = u["depth"] - 1
+            if u["rank"] < 0:  # a draft from the text: no draft probability
+                assert u["q_prob"] is None and "text" in u["source"]
+                continue
             # greedy: the candidate of rank r is the r-th most probable
             if not kw.get("temperature"):
                 assert u["token"] == torch.topk(step["q"][d], u["rank"] + 1).indices[-1].item()

@@ -8,8 +8,8 @@ summary from the JSON embedded in the page; no network, scripts, styles or fonts
 outside). sample.py --speculative --trace=FILE.html is the way in.
 
 Per pass: the cache length L, the root, the drafted tree (every node's token, depth, parent,
-rank, the draft probability of its token, the token the main stream emitted there, and its
-status: root, accepted, rejected, unreached or pruned), the accepted path, the next root, how
+rank, who proposed it (the streams or the decoded text), the draft probability of its token, the token the main stream emitted there, and its
+status: root, accepted, rejected, twin, unreached or pruned), the accepted path, the next root, how
 many tokens it emitted (its accepted drafts and the next root), and the attention mask of its
 multi-stream layers (after pruning, when it pruned) in sparse form: for each row, the key
 columns it may attend to, the cached prefix collapsed to column 0, then the nodes, then the
@@ -57,6 +57,23 @@ def kept_nodes(drafted, verified):
     return [index[p] for p in rank_paths(verified)]
 
 
+def token_paths(shape, tokens):
+    """Each node's tokens from the root's child down to it (the root: ())."""
+    paths = [()]
+    for u in range(1, shape.n_nodes):
+        paths.append(paths[shape.parents[u]] + (tokens[u],))
+    return paths
+
+
+def sources(shape, tokens):
+    """Who proposed each node: 'streams', 'text' (extras/lookup.py), or 'text = streams' for a
+    draft from the text whose path of tokens a stream node holds too (its twin); the root: None."""
+    paths = token_paths(shape, tokens)
+    streams = {p for u, p in enumerate(paths) if u and shape.ranks[u] >= 0}
+    return [None] + ["streams" if shape.ranks[u] >= 0 else "text = streams" if paths[u] in streams
+                     else "text" for u in range(1, shape.n_nodes)]
+
+
 def sparse_mask(mask, L):
     """A pass's mask (rows, L + keys), additive (0 = may attend) or bool, as the visible key
     columns of each row: column 0 is the cached prefix (all L tokens or none), 1.. the rest."""
@@ -94,23 +111,31 @@ def record(step, decode):
     probs = step["draft_probs"]
     if probs is None:
         probs = torch.softmax(step["draft_logits"].float(), dim=-1)
-    depths = torch.tensor(drafted.depths[1:], device=probs.device)
-    q_prob = [None] + probs[depths - 1, step["drafted_tokens"][1:]].tolist()
+    # drafts from the text (rank -1, extras/lookup.py) have no q: a point mass
+    depths = torch.tensor(drafted.depths[1:], device=probs.device).clamp(max=len(probs))
+    q_prob = [None] + [q if r >= 0 else None for q, r in zip(
+        probs[depths - 1, step["drafted_tokens"][1:]].tolist(), drafted.ranks[1:])]
+    source = sources(drafted, tokens)
     emitted = [None] * drafted.n_nodes
     for i, u in enumerate(kept):
         emitted[u] = step["ys"][i]
     path = [kept[i] for i in step["path"]]
     on_path, alive = set(path), set(kept)
+    paths = token_paths(drafted, tokens)
+    accepted_paths = {paths[u] for u in path}
     nodes = []
     for u in range(drafted.n_nodes):
         p = drafted.parents[u]
-        # rejected: the main stream emitted another token at its parent; unreached: a child of the
+        # rejected: the main stream emitted another token at its parent; twin: the same tokens as
+        # an accepted node (a stream node and a draft from the text); unreached: a child of the
         # path that carries the token emitted there and was not accepted lies past the block's
         # end (a fixed shape keeps such nodes, a pass never accepts them)
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
-                  else "rejected" if p in on_path and tokens[u] != emitted[p] else "unreached")
+                  else "rejected" if p in on_path and tokens[u] != emitted[p]
+                  else "twin" if paths[u] in accepted_paths else "unreached")
         nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u],
-                          parent=p, rank=drafted.ranks[u], q_prob=q_prob[u], emitted=emitted[u],
+                          parent=p, rank=drafted.ranks[u], source=source[u], q_prob=q_prob[u],
+                          emitted=emitted[u],
                           emitted_text=None if emitted[u] is None else decode([emitted[u]]),
                           status=status))
     g = step["draft_depth"]
@@ -127,14 +152,17 @@ def record(step, decode):
 def summary(passes):
     """Passes, tau (tokens emitted per pass: accepted drafts + 1, as Stats.mean_accepted), the
     histogram of tokens per pass, and the acceptance rate by depth d: of the passes whose path
-    reached depth d - 1 at a node with a verified child, the share that accepted a child there."""
+    reached depth d - 1 at a node with a verified child, the share that accepted a child there;
+    the accepted drafts by who proposed them (`sources`)."""
     lengths = [p["emitted"] for p in passes]
     hist = {}
     for a in lengths:
         hist[a] = hist.get(a, 0) + 1
-    tried, reached = {}, {}
+    tried, reached, by_source = {}, {}, {}
     for p in passes:
         nodes, path = p["nodes"], p["path"]
+        for u in path[1:]:
+            by_source[nodes[u]["source"]] = by_source.get(nodes[u]["source"], 0) + 1
         for d, u in enumerate(path, 1):  # u is at depth d - 1
             # a child that could be accepted: not pruned, not past the block's end (unreached)
             if any(n["parent"] == u and n["status"] in ("accepted", "rejected") for n in nodes):
@@ -143,7 +171,8 @@ def summary(passes):
     return dict(passes=len(passes), tau=sum(lengths) / len(lengths) if lengths else 0.0,
                 nodes_per_pass=sum(len(p["kept"]) for p in passes) / len(passes) if passes else 0.0,
                 histogram=[[k, hist[k]] for k in sorted(hist)],
-                acceptance_by_depth=[[d, reached[d], tried[d]] for d in sorted(tried)])
+                acceptance_by_depth=[[d, reached[d], tried[d]] for d in sorted(tried)],
+                accepted_by_source=by_source)
 
 
 def pass_data(cache, drafted, ran, verified, step):

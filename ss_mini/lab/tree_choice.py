@@ -88,8 +88,8 @@ def tree_search(model, calibration, cfg, kw, log):
     so a burst of load on this machine spreads over many candidates instead of deciding one
     row. Returns (that spec, the rows (spec, nodes, summary))."""
     g = model.config.n_drafts
-    candidates = [c for c in cfg["candidates"].split(";")
-                  if c and (c.startswith("n") or len(c.split(",")) <= g)]
+    candidates = [c for c in cfg["candidates"].split(";")  # those as deep as the model drafts
+                  if c and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
     decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)]
