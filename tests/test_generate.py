@@ -476,6 +476,19 @@ def test_edge_cases():
             gen()
 
 
+def test_tree_specs_with_a_lookup_branch():
+    """'+LM' after a top-k tree (chain too) or 'LM' alone; anything else is a one-line error
+    that names the whole spec."""
+    assert [repr(make_tree(s, 4)) for s in ("1,1+L4", "chain+L8", "L3")] == ["1,1+L4", "1,1,1,1+L8", "L3"]
+    assert [len(make_tree(s, 4)) for s in ("1,1+L4", "3,2+L6", "L3")] == [7, 16, 4]
+    for spec, message in (("n8+L2", "goes with a top-k tree"), ("none+L2", "goes with a top-k tree"),
+                          ("x+L2", "--tree=x\+L2: give top-k"), ("1,1L4", "give top-k"),
+                          ("1,1+L", "give top-k"), ("L0", "at least 1"),
+                          ("1,1,1,1,1+L3", "--tree=1,1,1,1,1\+L3: .*5 depths")):
+        with pytest.raises(ValueError, match=message):
+            make_tree(spec, 4)
+
+
 @pytest.mark.parametrize("spec", ["2,1,1", "n8"])
 def test_a_prompt_longer_than_block_size_is_one_prefill(spec):
     """A prompt longer than block_size keeps its last block_size // 2 tokens (with a warning), as the

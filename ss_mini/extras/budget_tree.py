@@ -84,11 +84,13 @@ def make_tree(spec, n_streams):
     if plus:
         if streams and not streams.endswith("+") or not chain.isdigit():
             raise ValueError(usage)
-        streams = streams[:-1]
-        if streams.startswith("n") or streams in ("none", "chain"):
+        try:
+            tree = make_tree(streams[:-1], n_streams) if streams else None
+        except ValueError as e:  # said of the whole spec
+            raise ValueError(f"--tree={spec}: {str(e).split(': ', 1)[-1]}") from None
+        if streams and type(tree) is not CartesianTree:
             raise ValueError(f"--tree={spec}: a lookup branch goes with a top-k tree (e.g. "
-                             "1,1,1+L4) or alone (L4)")
-        tree = make_tree(streams, n_streams) if streams else None
+                             "1,1,1+L4, chain+L8) or alone (L4)")
         return LookupTree(tree.ks if tree else (), int(chain))
     if spec == "none":
         return None
