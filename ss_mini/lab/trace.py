@@ -10,10 +10,10 @@ outside). sample.py --speculative --trace=FILE.html is the way in.
 Per pass: the cache length L, the root, the drafted tree (every node's token, depth, parent,
 rank, who proposed it (the streams or the decoded text), the draft probability of its token,
 the token the main stream emitted there, and its status: root, accepted, rejected, twin,
-unreached or pruned), the accepted path, the next root, how many tokens it emitted (its accepted drafts and the next root), and the attention mask of its
-multi-stream layers (after pruning, when it pruned) in sparse form: for each row, the key
-columns it may attend to, the cached prefix collapsed to column 0, then the nodes, then the
-streams.
+unreached or pruned), the accepted path, the next root, how many tokens it emitted (its
+accepted drafts and the next root), and the attention mask of its multi-stream layers (after
+pruning, when it pruned) in sparse form: for each row, the key columns it may attend to, the
+cached prefix collapsed to column 0, then the nodes, then the streams.
 """
 import json
 import os
