@@ -21,7 +21,7 @@ import torch
 
 from ..tree import CartesianTree
 
-MAX_NGRAM = 3  # the longest suffix matched, as prompt-lookup decoding's default of 3
+MAX_NGRAM = 3  # the longest suffix matched, as in Saxena's prompt-lookup decoding
 
 
 def lookup(seq, length, max_ngram=MAX_NGRAM):
