@@ -255,10 +255,9 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     sampler = Sampler(temperature, top_k, top_p, seed, w.device)
     rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len,
                  sampler, batch_size)
-    going, V, n, D = rows.going, cfg.vocab_size, len(tree), tree.draft_depth
+    going, V, n, D, W = rows.going, cfg.vocab_size, len(tree), tree.draft_depth, tree.width
     while going:
-        sampler.draw_ahead(draft=(B, D, V), look=(B * n, 1), verify=(B * n, tree.width),
-                           residual=(B * n, V))
+        sampler.draw_ahead(draft=(B, D, V), look=(B * n, 1), verify=(B * n, W), residual=(B * n, V))
         lookup = tree.lookup(rows.contexts()) if tree.lookup_length else None
         out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe,
                    lookup=lookup)

@@ -100,7 +100,7 @@ class Sampler:
         sampling (recursive rejection over the node's children; see the class docstring, and
         tests/test_generate.py `verify_reference` for the same rule one node at a time).
         main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`; look (..., n_nodes):
-        a child drafted from the text (-1: none), tried first as a point mass (extras/lookup.py).
+        the token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
 
         Vectorised over the nodes of every row: in round r every node that has an (r+1)-th
         child and has accepted none tries it; the others sit the round out with q = 0
@@ -124,7 +124,8 @@ class Sampler:
             py = p.gather(1, y)
             ys = torch.where(has & (self.uniform("look", y) < py), y, ys)  # min(1, p(y) / 1)
             rest = p.scatter(1, y, 0.0) / (1 - py).clamp_min(1e-30)  # rejected: p without y
-            p, q = torch.where(has, rest, p), q.masked_fill(ys >= 0, 0.0)
+            p = p_target = torch.where(has, rest, p)  # what q's candidates then face
+            q = q.masked_fill(ys >= 0, 0.0)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)

@@ -36,8 +36,8 @@ class Draft(NamedTuple):
 
 class Verified(NamedTuple):
     """targets (B, n): the target's token at every node; n_accepted (B,): the nodes on each
-    row's accepted path, root included (1..D+1); last (B,): the path's last node, as an index
-    into the batch's B * n nodes."""
+    row's accepted path, root included (1..P, P the tree's depth + 1); last (B,): the path's
+    last node, as an index into the batch's B * n nodes."""
     targets: torch.Tensor
     n_accepted: torch.Tensor
     last: torch.Tensor
@@ -45,8 +45,8 @@ class Verified(NamedTuple):
 
 class Step(NamedTuple):
     """What a step gives each row: n_emitted (B,) tokens, the first n_emitted of emitted
-    (B, D+1) (its accepted drafts, then the next root); the next root (B,); the next draft
-    logits (B, D, V); and the nodes the pass verified."""
+    (B, P) (its accepted drafts, then the next root); the next root (B,); the next draft
+    logits (B, D, V) of the D depths the tree drafts; and the nodes the pass verified."""
     n_emitted: torch.Tensor
     emitted: torch.Tensor
     root: torch.Tensor
@@ -84,9 +84,9 @@ def forward_tree(model, cache, draft, tree):
 def verify(draft, main_logits, sampler, depth_limit):
     """Phase 3: the target's token at every node, and each row's accepted path. A node is
     accepted when every node on its path holds the token its parent emitted and it lies
-    within depth_limit (B,); children hold distinct tokens, so one node per depth at most.
-    (The root is compared with its own target too, but shape.anc leaves it out: it is always
-    accepted.)"""
+    within depth_limit (B,); children hold distinct tokens (a twin from the text repeats a
+    stream node's: extras/lookup.py), so one path of tokens is accepted. shape.anc leaves the
+    root out: always accepted, it is compared with its own target too."""
     shape = draft.shape
     targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape, draft.look)
     if draft.twin is not None:  # one draw per path of tokens (extras/lookup.py)

@@ -10,12 +10,12 @@ cache and step). The pass, verify and accept treat its nodes like any other: a n
 Two rules keep it exact. Where the lookup's first tokens equal a stream branch's (the same
 tokens on the same path), those lookup nodes are *twins* of the stream nodes: the same token at
 the same position under the same ancestors, so the same keys and values; a twin takes its
-stream node's target, so a path of tokens is verified by one draw, and the deepest stream
-node on the lookup's path tries the lookup's next token as one more child. Under sampling a
-lookup draft is a point mass, tried first at its parent (sampling.py): accepted with
-probability p(y), and on rejection p loses y. Whether a node tries it depends only on the
-draws of the depths above that node, so the target at every node keeps plain sampling's
-distribution.
+stream node's target, so a path of tokens is verified by one draw. Under sampling a lookup
+draft is a point mass: the root, every stream node on the lookup's path and every lookup node
+past the twins try the lookup's next token first (sampling.py), accepted with probability
+p(y), and on rejection p loses y before q's candidates are tried. Whether a node tries it
+depends only on the draws that made the nodes down to it, never on the draws of its
+children, so the target at every node keeps plain sampling's distribution.
 """
 import torch
 
@@ -27,7 +27,7 @@ MAX_NGRAM = 3  # the longest suffix matched, as in Saxena's prompt-lookup decodi
 def lookup(seq, length, max_ngram=MAX_NGRAM):
     """The `length` tokens that followed the latest earlier occurrence of seq's last k tokens,
     the longest k <= max_ngram that occurs; a continuation that reaches the end of seq goes on
-    with its own tokens (a loop continues). None if no token of seq occurred before."""
+    with its own tokens (a loop continues). None if seq's last token never occurred before."""
     text = "".join(map(chr, seq))  # one character per token: str.rfind searches in C
     for k in range(min(max_ngram, len(seq) - 1), 0, -1):
         start = text.rfind(text[-k:], 0, len(text) - 1)  # an occurrence ending before the last
