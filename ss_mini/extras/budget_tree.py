@@ -82,7 +82,7 @@ def make_tree(spec, n_streams):
              "n16), chain or none, and + L and a length to add a lookup branch (1,1,1+L4, L4)")
     streams, plus, chain = spec.rpartition("L") if "L" in spec else (spec, "", "")
     if plus:
-        if streams and not streams.endswith("+") or not chain.isdigit():
+        if (streams and not streams.endswith("+")) or not chain.isdigit():
             raise ValueError(usage)
         try:
             tree = make_tree(streams[:-1], n_streams) if streams else None
