@@ -8,6 +8,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py, sample.py and bench.py are scripts at the top level
 
 from ss_mini import build_model  # noqa: E402
+
+# the tests' models are tiny: one thread runs them faster than two that wait on each other (and
+# the scripts the tests start inherit it)
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from ss_mini.model import GPTConfig  # noqa: E402
 
 

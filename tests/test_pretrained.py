@@ -74,8 +74,8 @@ def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
     out = tmp_path / "out"
     r = _run("train.py", f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}",
              f"--dataset=text:{text}", "--tokenizer=gpt2", f"--init_from=gpt2:{st}",
-             "--block_size=32", "--batch_size=8", "--max_iters=30", "--eval_interval=15",
-             "--eval_iters=4", "--log_interval=10", "--freeze_base=True",
+             "--block_size=32", "--batch_size=4", "--max_iters=12", "--eval_interval=12",
+             "--eval_iters=2", "--log_interval=4", "--freeze_base=True",
              "--stream_adapter_rank=4", "--n_msa_layers=1", "--learning_rate=1e-2",
              "--warmup_iters=2")
     assert r.returncode == 0, r.stderr[-2000:]
