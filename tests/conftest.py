@@ -5,7 +5,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # train.py, sample.py and bench.py are scripts at the top level
+# train.py, sample.py and bench.py are scripts at the top level
+sys.path.insert(0, ROOT)
 
 from ss_mini import build_model  # noqa: E402
 
@@ -17,9 +18,11 @@ from ss_mini.model import GPTConfig  # noqa: E402
 
 
 def random_model(seed=0, dtype=torch.float64, std=None, **kw):
-    """A random untrained model; std > 0.02 makes its distributions peaked (drafts then match often)."""
+    """A random untrained model; std > 0.02 makes its distributions peaked (drafts then match
+    often)."""
     torch.manual_seed(seed)
-    args = dict(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=11, n_streams=3, n_msa_layers=2)
+    args = dict(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=11, n_streams=3,
+                n_msa_layers=2)
     args.update(kw)
     model = build_model(GPTConfig(**args))
     if std:
@@ -35,13 +38,15 @@ def tiny_ckpt(tmp_path_factory):
     """A tiny model trained for a few iterations on the Python standard library (char level)."""
     import train
     out = tmp_path_factory.mktemp("tiny")
-    train.main([f"--out_dir={out}", f"--data_dir={out / 'data'}", "--n_layer=2", "--n_head=2", "--n_embd=32",
-                "--block_size=48", "--batch_size=8", "--max_iters=120", "--eval_interval=60", "--eval_iters=2",
-                "--log_interval=1000", "--warmup_iters=10", "--learning_rate=3e-3"])
+    train.main([f"--out_dir={out}", f"--data_dir={out / 'data'}", "--n_layer=2", "--n_head=2",
+                "--n_embd=32", "--block_size=48", "--batch_size=8", "--max_iters=120",
+                "--eval_interval=60", "--eval_iters=2", "--log_interval=1000", "--warmup_iters=10",
+                "--learning_rate=3e-3"])
     return out
 
 
-def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, drain=None, **cfg):
+def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slow=None, drain=None,
+                     **cfg):
     """The tree search (ss_mini/lab/tree_choice.py) with bench's defaults, on fake decoders over the
     prompts: timings maps a tree to (tokens per pass, ms per pass); an autoregressive
     pass takes 1 ms; slow maps (tree, prompt) to a factor on that decode's time (a slow spell
@@ -64,15 +69,18 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
         tau, ms = timings[repr(tree)]
         passes = 24 // tau
         seconds = passes * ms * 1e-3 * (slow or {}).get((repr(tree), prompt), 1)
-        return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes, nodes=[len(tree)] * passes,
-                               seconds=seconds * (drain or {}).get(repr(tree), 1), full_tokens=24, full_passes=passes,
-                               full_seconds=seconds)
+        return [0] * 24, Stats(new_tokens=24, passes=passes, accepted=[tau] * passes,
+                               nodes=[len(tree)] * passes,
+                               seconds=seconds * (drain or {}).get(repr(tree), 1), full_tokens=24,
+                               full_passes=passes, full_seconds=seconds)
 
     from ss_mini.lab import measure
     monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline
-    monkeypatch.setattr(measure, "generate_ar", fake_ar)  # measure.speculative makes each tree's decoder
+    # measure.speculative makes each tree's decoder
+    monkeypatch.setattr(measure, "generate_ar", fake_ar)
     monkeypatch.setattr(measure, "generate_speculative", fake_ss)
     model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
-    best, rows = tree_choice.tree_search(model, list(prompts), cfg, dict(max_new_tokens=256), lambda *a: None)
+    best, rows = tree_choice.tree_search(model, list(prompts), cfg, dict(max_new_tokens=256),
+                                         lambda *a: None)
     return best, rows, calls

@@ -15,12 +15,14 @@ from ss_mini.extras.budget_tree import make_tree
 
 def _prompts(seed, B, vocab=11):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 24, (1,), generator=gen)),), generator=gen).tolist()
+    return [torch.randint(0, vocab, (int(torch.randint(1, 24, (1,), generator=gen)),),
+                          generator=gen).tolist()
             for _ in range(B)]
 
 
 @pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "2,2", "n8", "n16", "1,1+L4", "L4"])
-@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)], ids=["streams", "medusa"])
+@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)],
+                         ids=["streams", "medusa"])
 def test_every_row_of_a_batch_is_its_prompt_decoded_alone(spec, drafter):
     """B up to 8, prompts of 1 to 23 tokens, 70 new tokens (past block_size 32: rows slide their
     windows at different steps), an end-of-text that ends some rows early: both decoders, greedy,
@@ -36,7 +38,8 @@ def test_every_row_of_a_batch_is_its_prompt_decoded_alone(spec, drafter):
             ar, _ = generate_ar(model, prompts, 70, **kw)
             ss, stats = generate_speculative(model, prompts, 70, tree, **kw)
             assert ar == want and ss == want, (spec, seed, kw)
-            if not kw and drafter.get("n_streams"):  # rows accepted different numbers of tokens in the same passes
+            # rows accepted different numbers of tokens in the same passes
+            if not kw and drafter.get("n_streams"):
                 assert len(set(stats.accepted)) > 1
         assert any(len(o) < 70 for o in alone_eot)  # some rows end at end-of-text
 
@@ -49,8 +52,8 @@ def test_a_batch_of_one_is_the_single_prompt_api():
     assert batch == [single] and s1.passes == s2.passes and s1.accepted == s2.accepted
 
 
-@pytest.mark.parametrize("spec, kw", [("3,2", SAMPLING[0]), ("n6", SAMPLING[1]), ("1,1", SAMPLING[2]),
-                                      ("2,1+L3", SAMPLING[1])])
+@pytest.mark.parametrize("spec, kw", [("3,2", SAMPLING[0]), ("n6", SAMPLING[1]),
+                                      ("1,1", SAMPLING[2]), ("2,1+L3", SAMPLING[1])])
 def test_sampling_is_lossless_in_every_row_of_a_batch(spec, kw):
     """Four rows of the same prompt, one generator for the batch: each row's first three tokens
     follow the exact distribution (by enumeration), row by row."""
@@ -78,7 +81,8 @@ def test_compaction_keeps_each_rows_own_path():
         kv.normal_(generator=gen)
     cache.advance(torch.tensor([5, 0, 17]))
     ref = [torch.stack(cache.kv)[:, b].clone() for b in range(3)]  # (n_layer, S, 2, H, hd) per row
-    path = torch.tensor([[0, 2, 5, 5], [0, 1, 3, 4], [0, 0, 0, 0]])  # padded past each row's accepted length
+    # padded past each row's accepted length
+    path = torch.tensor([[0, 2, 5, 5], [0, 1, 3, 4], [0, 0, 0, 0]])
     accepted = torch.tensor([3, 4, 1])
     lengths = cache.length.tolist()
     cache.accept(path, accepted)
@@ -86,7 +90,8 @@ def test_compaction_keeps_each_rows_own_path():
         L, a = lengths[b], int(accepted[b])
         want = ref[b].clone()
         want[:, L:L + a] = ref[b][:, [L + int(u) for u in path[b, :a]]]
-        torch.testing.assert_close(torch.stack(cache.kv)[:, b, :L + a], want[:, :L + a], rtol=0, atol=0)
+        torch.testing.assert_close(torch.stack(cache.kv)[:, b, :L + a], want[:, :L + a],
+                                   rtol=0, atol=0)
     assert cache.length.tolist() == [8, 4, 18]
 
 
@@ -106,7 +111,8 @@ def test_rows_that_finish_ride_along():
     still its prompt decoded alone."""
     model = random_model(seed=4, std=0.4)
     prompts = [[1], [2, 3], [4]]
-    eot = generate_ar(model, prompts[0], 40)[0][3]  # the first row ends after 3 tokens, others later or never
+    # the first row ends after 3 tokens, others later or never
+    eot = generate_ar(model, prompts[0], 40)[0][3]
     ar = [generate_ar(model, p, 40, eot=eot)[0] for p in prompts]
     sizes_ss, sizes_ar = [], []
     outs, st_ss = generate_speculative(model, prompts, 40, make_tree("1,1", 3), eot=eot,
@@ -143,11 +149,14 @@ def test_finished_rows_riding_along_need_no_rebuild():
         assert outs == alone and solo_out == alone[1]
         decode = len(sizes)  # the batch's decode passes: as many as the live row's alone
         assert decode == (len(solo.nodes) if spec else len(solo.accepted))
-        live_rebuilds = solo.passes - 1 - decode  # the live row alone: prefill, decode passes, rebuilds
+        # the live row alone: prefill, decode passes, rebuilds
+        live_rebuilds = solo.passes - 1 - decode
         assert live_rebuilds >= 1  # it crossed block_size
-        finished_moved_back = sum(after[0] < before[0] for before, after in zip(lengths, lengths[1:]))
+        finished_moved_back = sum(after[0] < before[0]
+                                  for before, after in zip(lengths, lengths[1:]))
         assert finished_moved_back >= 1, spec  # the finished row filled its cache and slid too
-        assert set(sizes) == {2} and st.passes == 1 + decode + live_rebuilds, (spec, st.passes, decode, live_rebuilds)
+        assert set(sizes) == {2} and st.passes == 1 + decode + live_rebuilds, (
+            spec, st.passes, decode, live_rebuilds)
 
 
 def test_bad_batches_are_one_line_errors(monkeypatch):
@@ -224,7 +233,8 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
         ar_step(model, cache, root, sampler, ar_window(cache))
     assert calls == []
     out, stats = generate_speculative(model, [[1, 2, 3], [4, 5]], 20, tree, **kw)
-    assert calls.count("tolist") == stats.passes and len(calls) == stats.passes  # prefill + one per step
+    # prefill + one per step
+    assert calls.count("tolist") == stats.passes and len(calls) == stats.passes
 
 
 @pytest.mark.parametrize("spec", ["1,1,1", "n8"])
@@ -238,7 +248,8 @@ def test_continuous_batching_keeps_every_output(spec):
     want = [generate_ar(model, p, 50, eot=eot)[0] for p in prompts]
     for bs in (1, 2, 3):
         ar, s_ar = generate_ar(model, prompts, 50, eot=eot, batch_size=bs)
-        ss, s_ss = generate_speculative(model, prompts, 50, make_tree(spec, 3), eot=eot, batch_size=bs)
+        ss, s_ss = generate_speculative(model, prompts, 50, make_tree(spec, 3), eot=eot,
+                                        batch_size=bs)
         assert ar == want and ss == want, bs
     with pytest.raises(ValueError, match="batch_size=0"):
         generate_ar(model, prompts, 5, batch_size=0)
@@ -259,7 +270,8 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
     assert 0 < st.full_tokens < st.new_tokens and st.full_passes < st.passes
 
 
-@pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]], [[5, 6, 7, 8]]])
+@pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]],
+                                     [[5, 6, 7, 8]]])
 def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
     """Attention reads all of a cache's slots, so every step has the same shapes; the mask
     (KVCache.mask) shows row b its prefix, the slots below its length L[b], and hides every slot

@@ -18,29 +18,34 @@ from ss_mini.extras.budget_tree import BudgetTree, make_tree
 from ss_mini.extras.lookup import lookup
 from ss_mini.tree import CartesianTree
 
-TREES = (["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"] + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
+TREES = (["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"]
+         + [f"n{n}" for n in (1, 2, 3, 5, 8, 16, 33, 64)]
          + ["1,1,1+L4", "L4", "3,2+L3", "1+L6"])  # with drafts from the text (extras/lookup.py)
 
 
 @pytest.mark.parametrize("spec", TREES)
-@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)], ids=["streams", "medusa"])
+@pytest.mark.parametrize("drafter", [dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)],
+                         ids=["streams", "medusa"])
 def test_greedy_identity_random_models(spec, drafter):
     for seed in range(3):
         model = random_model(seed=seed, std=0.4, **drafter)
         tree = make_tree(spec, 3)
         gen = torch.Generator().manual_seed(seed)
         for _ in range(4):
-            prompt = torch.randint(0, 11, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+            prompt = torch.randint(0, 11, (int(torch.randint(1, 20, (1,), generator=gen)),),
+                                   generator=gen).tolist()
             ar, _ = generate_ar(model, prompt, 70)  # 70 > block_size: crosses the sliding window
             ss, stats = generate_speculative(model, prompt, 70, tree)
             assert ss == ar, (spec, seed, prompt)
             # each decode pass emits its accepted drafts + 1; the prefill emitted the first token
-            assert stats.new_tokens == 70 and sum(stats.accepted) == 69 and len(stats.accepted) == len(stats.nodes)
+            assert (stats.new_tokens == 70 and sum(stats.accepted) == 69
+                    and len(stats.accepted) == len(stats.nodes))
 
 
 def test_a_tree_is_bound_once_per_device():
     """sample.py binds the tree where the weights are and the decoder binds it again: the
-    same device spelled two ways ("cuda" and cuda:0; here "cpu:0" and cpu) builds its shapes once."""
+    same device spelled two ways ("cuda" and cuda:0; here "cpu:0" and cpu) builds its shapes
+    once."""
     cfg = random_model().config
     tree = make_tree("n8", 3).bind(cfg, "cpu:0", torch.float64)
     template = tree.template
@@ -59,7 +64,8 @@ def test_a_shape_has_one_name_per_meaning():
 
 def test_greedy_identity_trained_model(tiny_ckpt):
     model, tok, _ = load_model(tiny_ckpt, dtype=torch.float64)
-    prompts = ["import os\n", "def f(x):\n    return", "class A:\n    def __init__(self):\n        self.", "#"]
+    prompts = ["import os\n", "def f(x):\n    return",
+               "class A:\n    def __init__(self):\n        self.", "#"]
     for spec in ("1,1,1", "3,2,1", "n8", "n32"):
         tree = make_tree(spec, model.config.n_streams)
         taus = []
@@ -95,11 +101,14 @@ def test_compiled_decoders_match_eager():
         assert (generate_speculative(model, [1, 2, 1], 20, tree, step=fast_ss, **kw)[0]
                 == generate_speculative(model, [1, 2, 1], 20, tree, **kw)[0])
     # the eager model is untouched: no new attribute, the same weights, and it still decodes eagerly
-    assert set(vars(model)) == attrs and all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert set(vars(model)) == attrs and all(torch.equal(v, state[k])
+                                             for k, v in model.state_dict().items())
     assert generate_speculative(model, prompt, 40, tree)[0] == ar
-    tree = chain  # its graph, compiled on other prompts, serves every step of a new one: nothing
-    with torch.compiler.set_stance("fail_on_recompile"):  # the host changes per step (a length, a
-        generate_ar(model, [7, 8], 60, step=fast_ar)      # span) reaches it
+    # its graph, compiled on other prompts, serves every step of a new one: nothing the host
+    # changes per step (a length, a span) reaches it
+    tree = chain
+    with torch.compiler.set_stance("fail_on_recompile"):
+        generate_ar(model, [7, 8], 60, step=fast_ar)
         generate_speculative(model, [7, 8], 60, tree, step=fast_ss)
     # a second model of the same shapes decodes with its own graphs, never the first one's (a CPU
     # graph skips dynamo's checks of the modules, but not of each weight's identity)
@@ -108,7 +117,8 @@ def test_compiled_decoders_match_eager():
     assert ar2 != generate_ar(model, [7, 8], 30)[0]
     assert generate_ar(model2, [7, 8], 30, step=fast_ar)[0] == ar2
     assert generate_speculative(model2, [7, 8], 30, tree, step=fast_ss)[0] == ar2
-    assert generate_speculative(model, [7, 8], 30, tree, step=fast_ss)[0] == generate_ar(model, [7, 8], 30)[0]
+    assert (generate_speculative(model, [7, 8], 30, tree, step=fast_ss)[0]
+            == generate_ar(model, [7, 8], 30)[0])
 
 
 def _tensors(obj, seen=None, depth=0):
@@ -157,9 +167,12 @@ def test_mark_static_marks_every_tensor_a_step_writes(spec, kw):
             else:
                 root = ar_step(model, cache, root, sampler, ar_window(cache))
             written = [t for t, v in before if t._version != v]
-            assert any(t is cache.length for t in written) and any(t is cache.kv[0] for t in written)
-            unmarked = [tuple(t.shape) for t in written if not hasattr(t, "_dynamo_static_input_type")]
-            assert not unmarked, f"{run} step writes tensors that mark_static leaves unmarked: {unmarked}"
+            assert (any(t is cache.length for t in written)
+                    and any(t is cache.kv[0] for t in written))
+            unmarked = [tuple(t.shape) for t in written
+                        if not hasattr(t, "_dynamo_static_input_type")]
+            assert not unmarked, (
+                f"{run} step writes tensors that mark_static leaves unmarked: {unmarked}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -181,7 +194,8 @@ def test_compiled_cuda_steps_replay_as_cuda_graphs():
 def _draft(tree, root, q, max_depth, vocab_size):
     """The tokens and shape (one row's, on the host) of a greedy tree draft, as speculative_step
     builds them: q (depths, V) the draft logits of one row."""
-    cfg = GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=16, vocab_size=vocab_size, n_streams=3, n_msa_layers=1)
+    cfg = GPTConfig(n_layer=1, n_head=1, n_embd=4, block_size=16, vocab_size=vocab_size,
+                    n_streams=3, n_msa_layers=1)
     tree.bind(cfg, "cpu", torch.float32)
     shape = tree.shape(q[None], None, torch.tensor([max_depth]))
     ranked = torch.topk(q[None], tree.width, dim=-1).indices
@@ -190,7 +204,8 @@ def _draft(tree, root, q, max_depth, vocab_size):
 
 
 def test_budget_tree_is_best_first_and_holds_top1_chain():
-    q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6], [0.5, 0.3, 0.1, 0.1]]))
+    q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6],
+                               [0.5, 0.3, 0.1, 0.1]]))
     tokens, shape = _draft(BudgetTree(6, 3), 7, q, 3, 4)
     parents, depths, children = shape.parents, shape.depths, shape.children
     assert tokens[0] == 7 and parents[0] == -1 and shape.n_nodes == 6
@@ -208,9 +223,11 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
         scores.append(round(s, 4))
     assert sorted(scores, reverse=True) == [0.5, 0.45, 0.3, 0.27, 0.225]
     assert all(parents[i] < i for i in range(1, 6))
-    assert all(shape.ranks[c] == r for ch in children for r, c in enumerate(ch))  # children hold ranks 0..m-1
-    # depth cut at 1 (4 tokens in the vocabulary): a budget tree always holds n nodes, and the nodes a
-    # row may accept come first: the root and every candidate of depth 1; the others are deeper
+    # children hold ranks 0..m-1
+    assert all(shape.ranks[c] == r for ch in children for r, c in enumerate(ch))
+    # depth cut at 1 (4 tokens in the vocabulary): a budget tree always holds n nodes, and the
+    # nodes a row may accept come first: the root and every candidate of depth 1; the others are
+    # deeper
     tokens, cut = _draft(BudgetTree(9, 3), 1, q, 1, 4)
     assert cut.n_nodes == 9 and all(cut.parents[i] < i for i in range(1, 9))
     assert sorted(d for d in cut.depths if d <= 1) == [0, 1, 1, 1, 1]
@@ -242,10 +259,12 @@ def test_cartesian_tree_shape():
 
 def test_a_tree_runs_as_many_streams_as_it_is_deep():
     """A pass runs the streams of the depths its tree drafts, no more (at least one)."""
-    cfg = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=16, vocab_size=11, n_streams=4, n_msa_layers=1)
+    cfg = GPTConfig(n_layer=2, n_head=1, n_embd=4, block_size=16, vocab_size=11, n_streams=4,
+                    n_msa_layers=1)
     drafts = {spec: make_tree(spec, 4).bind(cfg, "cpu", torch.float32).draft_depth
              for spec in ("2,1", "3,2,1", "chain", "n1", "n2", "n4", "n5", "n16")}
-    assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4, "n16": 4}
+    assert drafts == {"2,1": 2, "3,2,1": 3, "chain": 4, "n1": 1, "n2": 1, "n4": 3, "n5": 4,
+                      "n16": 4}
     tree = make_tree("2,1", 4).bind(cfg, "cpu", torch.float32)
     shape = tree.shape(torch.randn(1, 2, 11), depth_limit=torch.tensor([9]))
     assert shape.window.shape[2] == 5 * (1 + 2)  # 5 main rows, 2 streams each
@@ -301,13 +320,16 @@ STREAMS, MEDUSA = dict(n_streams=2), dict(n_streams=0, n_medusa_heads=3)
 # may repeat a stream branch); and more children than top_k leaves tokens:
 # ranks 2 and 3 of "4,1" hold tokens that q never draws, tried after q's support is used up.
 # Medusa's 3 heads with trees less deep than 3: a pass drafts only the depths its tree uses
-@pytest.mark.parametrize("spec, kw, drafter", [(spec, kw, STREAMS) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
+@pytest.mark.parametrize("spec, kw, drafter",
+                         [(spec, kw, STREAMS) for spec in ("1,1", "3,2", "n6") for kw in SAMPLING]
                          + [("4,1", dict(temperature=0.9, top_k=2), STREAMS),
                             ("1,1", dict(temperature=0.8), MEDUSA), ("3,2", SAMPLING[1], MEDUSA)]
                          + [("1,1+L3", SAMPLING[0], STREAMS), ("L3", SAMPLING[1], STREAMS),
                             ("3,2+L2", SAMPLING[2], STREAMS), ("2,1+L3", SAMPLING[1], MEDUSA)],
-                         ids=lambda v: ("medusa" if v.get("n_medusa_heads") else "streams") if "n_streams" in v
-                         else "-".join(f"{k}{x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+                         ids=lambda v: (("medusa" if v.get("n_medusa_heads") else "streams")
+                                        if "n_streams" in v
+                                        else "-".join(f"{k}{x}" for k, x in v.items())
+                                        if isinstance(v, dict) else str(v)))
 def test_speculative_sampling_is_lossless(spec, kw, drafter):
     """The first tokens follow the exact distribution (by enumeration) for every tree, sampling
     setting and drafter, drafts are accepted and rejected, and impossible tokens never appear."""
@@ -315,11 +337,13 @@ def test_speculative_sampling_is_lossless(spec, kw, drafter):
     prompt, k, n = [1, 2], 3, 1000
     probs = _exact_first_tokens(model, prompt, k, **kw)
     tree = make_tree(spec, model.config.n_drafts)
-    counts, accepted = _sample_counts(lambda i: generate_speculative(model, prompt, k, tree, seed=i, **kw), n)
+    counts, accepted = _sample_counts(
+        lambda i: generate_speculative(model, prompt, k, tree, seed=i, **kw), n)
     assert not [seq for seq in counts if probs[seq] == 0], "a token of probability 0 was emitted"
     ok, stat, crit = _chi_square_ok(counts, probs, n)
     assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
-    # both paths ran: drafts were accepted, and some pass stopped before the tree's depth (all children rejected)
+    # both paths ran: drafts were accepted, and some pass stopped before the tree's depth (all
+    # children rejected)
     assert max(accepted) > 1 and min(accepted) < 3
 
 
@@ -332,14 +356,16 @@ def test_medusa_sampling_with_a_tree_less_deep_than_its_heads():
     for prompt, n in (([1, 2, 3], 10), ([[1, 2, 3], [4]], 70)):
         out, stats = generate_speculative(model, prompt, n, tree, temperature=0.8, seed=0)
         outs = [out] if isinstance(prompt[0], int) else out
-        assert [len(o) for o in outs] == [n] * len(outs) and all(0 <= t < 11 for o in outs for t in o)
+        assert ([len(o) for o in outs] == [n] * len(outs)
+                and all(0 <= t < 11 for o in outs for t in o))
         assert stats.new_tokens == n * len(outs) and max(stats.accepted) <= 3
         again, _ = generate_speculative(model, prompt, n, tree, temperature=0.8, seed=0)
         assert again == out  # one seed, one output
 
 
 @pytest.mark.parametrize("children", [1, 2, 3, 5])
-@pytest.mark.parametrize("kw", SAMPLING + [dict(temperature=0.9, top_k=2)], ids=["T1", "top_k", "top_p", "top_k2"])
+@pytest.mark.parametrize("kw", SAMPLING + [dict(temperature=0.9, top_k=2)],
+                         ids=["T1", "top_k", "top_p", "top_k2"])
 def test_verify_emits_the_target_distribution(children, kw):
     """The rule alone, with the power of many samples: 50,000 independent nodes, each with its
     own draft distribution q and `children` candidates drawn from it without replacement,
@@ -347,21 +373,27 @@ def test_verify_emits_the_target_distribution(children, kw):
     both accepted and rejected."""
     V, n = 6, 50_000
     gen = torch.Generator().manual_seed(0)
-    base = torch.randn(8, V, generator=gen) * 1.5  # 8 targets; each node's q: its target's logits plus noise
+    # 8 targets; each node's q: its target's logits plus noise
+    base = torch.randn(8, V, generator=gen) * 1.5
     logits = base.repeat(n // 8, 1)
     q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
     sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
     ranked, q = sampler.draft(q_logits, children)
-    shape = SimpleNamespace(cand_row=torch.arange(n), tries=torch.ones(n, children), max_children=children)
+    shape = SimpleNamespace(cand_row=torch.arange(n), tries=torch.ones(n, children),
+                            max_children=children)
     ys = sampler.verify(logits, q, ranked, shape)
     p = target_probs(base, **kw)
     for i in range(8):  # the nodes of target i: their tokens against p_i
         got = torch.bincount(ys[i::8], minlength=V).tolist()
-        assert not [t for t in range(V) if p[i, t] == 0 and got[t]], "a token of probability 0 was emitted"
-        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)}, dict(enumerate(p[i].tolist())), n // 8)
+        assert not [t for t in range(V) if p[i, t] == 0 and got[t]], (
+            "a token of probability 0 was emitted")
+        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)},
+                                        dict(enumerate(p[i].tolist())), n // 8)
         assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
-    drawn = q.gather(1, ranked) > 0  # candidates past q's support (top_k < children) were never drawn
-    accepted = ((ranked == ys[:, None]) & drawn).any(1).sum().item()  # a rejected draft keeps no residual mass
+    # candidates past q's support (top_k < children) were never drawn
+    drawn = q.gather(1, ranked) > 0
+    # a rejected draft keeps no residual mass
+    accepted = ((ranked == ys[:, None]) & drawn).any(1).sum().item()
     assert 100 < accepted < n - 100, f"{accepted} of {n} nodes accepted a draft"
 
 
@@ -387,7 +419,8 @@ def _rig_drafts(monkeypatch, model, rig):
 
 def _constant(V=5, logits=(2.0, 1.5, 1.0, 0.5, 0.0)):
     """A model whose every row, main or stream, gives the same logits whatever the context."""
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=64, vocab_size=V, n_streams=3, n_msa_layers=1))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=64, vocab_size=V, n_streams=3,
+                          n_msa_layers=1))
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()  # ln_f(x) = its bias, for every row
         model.transformer.ln_f.bias.copy_(torch.eye(8)[0])
@@ -401,7 +434,8 @@ def test_drafts_from_the_target_itself_are_always_accepted():
     model = _constant()
     for kw in SAMPLING:
         out, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3), seed=0, **kw)
-        assert len(out) == 40 and set(stats.accepted[:-1]) == {4}, stats.accepted  # root + 3 drafts every pass
+        # root + 3 drafts every pass
+        assert len(out) == 40 and set(stats.accepted[:-1]) == {4}, stats.accepted
 
 
 def test_drafts_outside_the_target_support_are_always_rejected(monkeypatch):
@@ -421,15 +455,20 @@ def test_drafts_outside_the_target_support_are_always_rejected(monkeypatch):
 
 def test_target_probs_top_k_top_p():
     logits = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
-    torch.testing.assert_close(target_probs(logits, 1.0, top_k=2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
-    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.6), torch.tensor([0, 4 / 7, 0, 3 / 7]))
-    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.75), torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))
-    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.01), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_k=2),
+                               torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.6),
+                               torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.75),
+                               torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))
+    torch.testing.assert_close(target_probs(logits, 1.0, top_p=0.01),
+                               torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
 def _rigged(V=5, c=3):
     """A model that always predicts token c, from the main stream and from every stream."""
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=24, vocab_size=V, n_streams=3, n_msa_layers=1))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=24, vocab_size=V, n_streams=3,
+                          n_msa_layers=1))
     with torch.no_grad():
         for blk in model.transformer.h:  # blocks add nothing
             for lin in (blk.attn.c_proj, blk.mlp.c_proj):
@@ -448,7 +487,8 @@ def test_every_draft_accepted_and_every_draft_rejected(monkeypatch):
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("1,1,1", 3))
     assert ss == ar and stats.accepted[:5] == [4] * 5  # root + 3 drafts every pass
     # streams now always propose token 4, which the model never emits
-    _rig_drafts(monkeypatch, model, lambda q: torch.zeros_like(q).index_fill_(-1, torch.tensor([4]), 50.0))
+    _rig_drafts(monkeypatch, model,
+                lambda q: torch.zeros_like(q).index_fill_(-1, torch.tensor([4]), 50.0))
     ss, stats = generate_speculative(model, [0, 1], 40, make_tree("2,2,2", 3))
     assert ss == ar and set(stats.accepted) == {1}
 
@@ -478,21 +518,24 @@ def test_edge_cases():
 def test_tree_specs_with_a_lookup_branch():
     """'+LM' after a top-k tree (chain too) or 'LM' alone; anything else is a one-line error
     that names the whole spec."""
-    assert [repr(make_tree(s, 4)) for s in ("1,1+L4", "chain+L8", "L3")] == ["1,1+L4", "1,1,1,1+L8", "L3"]
+    assert ([repr(make_tree(s, 4)) for s in ("1,1+L4", "chain+L8", "L3")]
+            == ["1,1+L4", "1,1,1,1+L8", "L3"])
     assert [len(make_tree(s, 4)) for s in ("1,1+L4", "3,2+L6", "L3")] == [7, 16, 4]
-    for spec, message in (("n8+L2", "goes with a top-k tree"), ("none+L2", "goes with a top-k tree"),
-                          ("x+L2", "--tree=x\+L2: give top-k"), ("1,1L4", "give top-k"),
+    for spec, message in (("n8+L2", "goes with a top-k tree"),
+                          ("none+L2", "goes with a top-k tree"),
+                          ("x+L2", r"--tree=x\+L2: give top-k"), ("1,1L4", "give top-k"),
                           ("1,1+L", "give top-k"), ("L0", "at least 1"),
-                          ("1,1,1,1,1+L3", "--tree=1,1,1,1,1\+L3: .*5 depths")):
+                          ("1,1,1,1,1+L3", r"--tree=1,1,1,1,1\+L3: .*5 depths")):
         with pytest.raises(ValueError, match=message):
             make_tree(spec, 4)
 
 
 @pytest.mark.parametrize("spec", ["2,1,1", "n8"])
 def test_a_prompt_longer_than_block_size_is_one_prefill(spec):
-    """A prompt longer than block_size keeps its last block_size // 2 tokens (with a warning), as the
-    sliding window would: one prefill pass, no rebuild right after it (a prompt cut to block_size
-    tokens would fill the cache at once), and greedy speculative decoding is greedy AR decoding."""
+    """A prompt longer than block_size keeps its last block_size // 2 tokens (with a warning), as
+    the sliding window would: one prefill pass, no rebuild right after it (a prompt cut to
+    block_size tokens would fill the cache at once), and greedy speculative decoding is greedy AR
+    decoding."""
     model = random_model(seed=3, std=0.4)
     T = model.config.block_size
     prompt = torch.randint(0, 11, (T + 19,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -501,13 +544,15 @@ def test_a_prompt_longer_than_block_size_is_one_prefill(spec):
     with pytest.warns(UserWarning, match="longer than block_size"):
         ss, sb = generate_speculative(model, prompt, 6, make_tree(spec, 3))
     assert ss == ar == generate_ar(model, prompt[-(T // 2):], 6)[0]
-    assert sa.passes == 1 + len(sa.accepted) == 6  # the prefill, then one pass per token after the first
+    # the prefill, then one pass per token after the first
+    assert sa.passes == 1 + len(sa.accepted) == 6
     assert sb.passes == 1 + len(sb.nodes) and len(sb.nodes) == len(sb.accepted)
 
 
 def test_stops_at_end_of_text():
     model = _rigged(c=3)
-    for gen in (lambda: generate_ar(model, [0], 20, eot=3), lambda: generate_speculative(model, [0], 20, make_tree("1,1,1", 3), eot=3)):
+    for gen in (lambda: generate_ar(model, [0], 20, eot=3),
+                lambda: generate_speculative(model, [0], 20, make_tree("1,1,1", 3), eot=3)):
         out, stats = gen()
         assert out == [] and stats.new_tokens == 0
     model = random_model(seed=4, std=0.4)
@@ -529,13 +574,15 @@ def test_tree_pruning(spec):
         prompt = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         ar, _ = generate_ar(model, prompt, 50)
         plain, s0 = generate_speculative(model, prompt, 50, tree)
-        zero, sz = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1e-12))  # nothing is pruned
+        # nothing is pruned
+        zero, sz = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1e-12))
         assert zero == plain == ar and sz.accepted == s0.accepted and sz.nodes == s0.nodes
         for thr in (0.05, 0.2, 0.5):  # greedy identity whatever is pruned
             out, st = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, thr))
             assert out == ar
             assert sum(st.nodes) <= sum(s0.nodes)
-        high, sh = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1.01))  # only the root survives
+        # only the root survives
+        high, sh = generate_speculative(model, prompt, 50, tree, step=pruned_step(model, 1.01))
         assert high == ar and set(sh.nodes) == {1} and set(sh.accepted) == {1}
     with pytest.raises(ValueError, match="pruning adapter.*prune_adapter_rank"):
         pruned_step(random_model(), 0.1)
@@ -556,13 +603,17 @@ def test_pruning_keeps_the_cache_consistent():
     ctx = [1, 2, 3, 4]
     tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
     cache, _, _ = prefill(model, [ctx], tree.draft_depth, tree.max_len)
-    # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the template
+    # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the
+    # template
     paths = tree.paths(tree.draft_depth, tree.width)
-    sel = torch.tensor([[paths.index(p) for p in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]]])
+    sel = torch.tensor([[paths.index(p)
+                         for p in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]]])
     shape = TreeShape(tree.template, sel, tree.draft_depth, tree.max_len, tree.width)
-    assert host_shape(shape).parents == [-1, 0, 0, 1, 1, 2, 3] and host_shape(shape).ranks == [0, 0, 1, 0, 1, 0, 0]
+    assert (host_shape(shape).parents == [-1, 0, 0, 1, 1, 2, 3]
+            and host_shape(shape).ranks == [0, 0, 1, 0, 1, 0, 0])
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0]])
-    kept_draft, main, drafts = pruned_forward(model, cache, Draft(tokens, shape, None, None, None), tree, 0.09)
+    kept_draft, main, drafts = pruned_forward(model, cache, Draft(tokens, shape, None, None, None),
+                                              tree, 0.09)
     tokens_k, shape_k = kept_draft.tokens, kept_draft.shape
     kept = host_shape(shape_k)
     assert 1 < kept.n_nodes < 7, kept.n_nodes  # this seed prunes some nodes, not all
@@ -575,11 +626,13 @@ def test_pruning_keeps_the_cache_consistent():
     seq = ctx + tokens_k[0, path].tolist()
     ref, ref_streams, _ = model(torch.tensor([seq]))
     torch.testing.assert_close(main[0, leaf], ref[0, -1], rtol=0, atol=1e-10)
-    torch.testing.assert_close(drafts[0, leaf], ref_streams[0, -1], rtol=0, atol=1e-10)  # the next drafts too
+    # the next drafts too
+    torch.testing.assert_close(drafts[0, leaf], ref_streams[0, -1], rtol=0, atol=1e-10)
     cache.accept(torch.tensor([path]), torch.tensor([len(path)]))
     fresh, _, _ = prefill(model, [seq], tree.draft_depth, tree.max_len)
     assert cache.length.tolist() == fresh.length.tolist() == [len(seq)]
-    torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(seq)], torch.stack(fresh.kv)[:, :, :len(seq)], rtol=0, atol=1e-10)
+    torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(seq)],
+                               torch.stack(fresh.kv)[:, :, :len(seq)], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("drafter", ["streams", "medusa"])
@@ -590,10 +643,12 @@ def test_products_are_those_of_a_tree_pass(drafter):
     Medusa's heads on the main rows) and of an autoregressive step."""
     from ss_mini.step import ar_window
     from ss_mini.lab.measure import products
-    kw = dict(n_streams=3, n_msa_layers=2) if drafter == "streams" else dict(n_streams=0, n_medusa_heads=2)
+    kw = (dict(n_streams=3, n_msa_layers=2) if drafter == "streams"
+          else dict(n_streams=0, n_medusa_heads=2))
     model = random_model(**kw).float()
     seen = []
-    hooks = [m.register_forward_hook(lambda m, x, y, name=name: seen.append((name, x[0].numel() // x[0].shape[-1])))
+    hooks = [m.register_forward_hook(lambda m, x, y, name=name:
+                                     seen.append((name, x[0].numel() // x[0].shape[-1])))
              for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     sampler, root = Sampler(0.0, None, None, None, "cpu"), torch.tensor([1])
     with torch.no_grad():
@@ -605,7 +660,8 @@ def test_products_are_those_of_a_tree_pass(drafter):
             step, seen[:] = list(seen), []
             products(model, n, tree.draft_depth)()
             assert seen == step, n
-            # one LM head call per pass, over the main rows and every stream row (64 rows for n = 16)
+            # one LM head call per pass, over the main rows and every stream row (64 rows for
+            # n = 16)
             heads = [rows for name, rows in step if name == "lm_head"]
             assert heads == [n * (1 + model.streams_in_pass(tree.draft_depth))], (n, heads)
         cache, _, _ = prefill(model, [[1, 2, 3]], 0, model.config.block_size)
@@ -621,8 +677,10 @@ def test_products_are_those_of_a_tree_pass(drafter):
 def test_repeat_rate():
     """The share of n-grams that occurred earlier in the same output (per output, not across)."""
     from ss_mini.lab.measure import repeat_rate
-    assert repeat_rate([[1, 2, 3, 1, 2, 3, 1, 2, 3]], n=3) == 4 / 7  # 123 231 312 new, then 4 repeats
-    assert repeat_rate([list(range(20)), list(range(20))], n=3) == 0.0  # the same text in two outputs
+    # 123 231 312 new, then 4 repeats
+    assert repeat_rate([[1, 2, 3, 1, 2, 3, 1, 2, 3]], n=3) == 4 / 7
+    # the same text in two outputs
+    assert repeat_rate([list(range(20)), list(range(20))], n=3) == 0.0
     assert repeat_rate([[7] * 5], n=2) == 3 / 4
     assert repeat_rate([[1, 2]], n=3) == 0.0  # shorter than n: nothing to count
 
@@ -691,7 +749,8 @@ def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
     for i in range(8):
         got = torch.bincount(ys[i::8], minlength=V).tolist()
         assert not [t for t in range(V) if p[i, t] == 0 and got[t]]
-        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)}, dict(enumerate(p[i].tolist())), n // 8)
+        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)},
+                                        dict(enumerate(p[i].tolist())), n // 8)
         assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
     assert 1000 < (ys == look).sum() < n - 1000  # drafts from the text accepted and rejected
 

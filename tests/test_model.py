@@ -27,7 +27,8 @@ def reference_gpt2(model, idx):
         h = ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"].T + sd[p + "attn.c_attn.bias"]
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in h.split(C, dim=2))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
-        att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+        att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1),
+                              float("-inf")).softmax(-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
         x = x + y @ sd[p + "attn.c_proj.weight"].T + sd[p + "attn.c_proj.bias"]
         h = ln(x, p + "ln_2") @ sd[p + "mlp.c_fc.weight"].T + sd[p + "mlp.c_fc.bias"]
@@ -63,8 +64,8 @@ def test_main_stream_is_gpt2_and_ignores_streams():
     torch.testing.assert_close(main, reference_gpt2(model, idx), rtol=0, atol=1e-10)
     plain = random_model(std=0.3, n_streams=0)
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if k != "stream_emb"})
-    # equal up to rounding: with streams the main rows share one attention call with the stream rows,
-    # whose masked keys change the summation order but add exactly zero
+    # equal up to rounding: with streams the main rows share one attention call with the stream
+    # rows, whose masked keys change the summation order but add exactly zero
     torch.testing.assert_close(plain(idx)[0], main, rtol=0, atol=1e-12)
     with torch.no_grad():
         model.stream_emb.add_(torch.randn_like(model.stream_emb))
@@ -86,19 +87,23 @@ def test_stream_sees_only_what_the_mask_allows():
     _, base, _ = model(idx)
     t = 6
     later = idx.clone()
-    later[0, t + 1] = (later[0, t + 1] + 1) % 11  # a future main position: no stream at <= t may change
+    # a future main position: no stream at <= t may change
+    later[0, t + 1] = (later[0, t + 1] + 1) % 11
     _, s, _ = model(later)
-    assert torch.equal(s[0, :t + 1], base[0, :t + 1]) and not torch.allclose(s[0, t + 1:], base[0, t + 1:])
+    assert (torch.equal(s[0, :t + 1], base[0, :t + 1])
+            and not torch.allclose(s[0, t + 1:], base[0, t + 1:]))
     earlier = idx.clone()
     earlier[0, t] = (earlier[0, t] + 1) % 11  # main position t: every stream at t sees it
     _, s, _ = model(earlier)
     assert torch.equal(s[0, :t], base[0, :t]) and not torch.allclose(s[0, t], base[0, t])
     # stream j sees streams i <= j at its position only: change P_2, stream 1 stays
     with torch.no_grad():
-        model.stream_emb[1] += torch.randn(16, dtype=torch.float64)  # a constant would vanish in LayerNorm
+        # a constant would vanish in LayerNorm
+        model.stream_emb[1] += torch.randn(16, dtype=torch.float64)
     _, s, _ = model(idx)
     assert torch.equal(s[..., 0, :], base[..., 0, :])
-    assert not torch.allclose(s[..., 1, :], base[..., 1, :]) and not torch.allclose(s[..., 2, :], base[..., 2, :])
+    assert (not torch.allclose(s[..., 1, :], base[..., 1, :])
+            and not torch.allclose(s[..., 2, :], base[..., 2, :]))
 
 
 def _with_prefix(m, L):
@@ -163,7 +168,8 @@ def test_streams_distilled_from_the_main_stream():
     main, streams, _ = model(idx)
     hand = losses["main"].new_zeros(())
     for j in range(1, 4):
-        hand = hand - 0.1 * (main[:, j:].detach().softmax(-1) * streams[:, :7 - j, j - 1].log_softmax(-1)).sum(-1).mean()
+        hand = hand - 0.1 * (main[:, j:].detach().softmax(-1)
+                             * streams[:, :7 - j, j - 1].log_softmax(-1)).sum(-1).mean()
     hand = grads(F.cross_entropy(main.reshape(-1, 11), tgt.reshape(-1)) + hand)
     for a, b in zip(ours, hand):
         torch.testing.assert_close(a, b)
@@ -193,13 +199,17 @@ def test_streams_learn_the_main_streams_greedy_continuation(stride):
             seq = idx[:, :t + 1]
             for _ in range(j):  # greedy: append the main stream's argmax, re-run everything
                 seq = torch.cat([seq, reference_gpt2(model, seq)[:, -1:].argmax(-1)], dim=1)
-            p = reference_gpt2(model, seq)[:, -1].softmax(-1)  # the main stream after j greedy tokens
+            # the main stream after j greedy tokens
+            p = reference_gpt2(model, seq)[:, -1].softmax(-1)
             ce.append(-(p * streams[:, i, j - 1].log_softmax(-1)).sum(-1))
         total = total + 0.1 * torch.stack(ce, 1).mean()
     torch.testing.assert_close(losses["loss"], total)
-    assert not torch.allclose(losses["loss"], random_model(std=0.3, stream_stride=stride, stream_targets="main")
-                              .train()(idx, tgt, teacher=stream_teacher)[2]["loss"])  # and it is not what teacher forcing gives
-    plain = random_model(std=0.3, n_streams=0, stream_targets="greedy")  # no drafter: nothing to teach
+    # and it is not what teacher forcing gives
+    assert not torch.allclose(losses["loss"],
+                              random_model(std=0.3, stream_stride=stride, stream_targets="main")
+                              .train()(idx, tgt, teacher=stream_teacher)[2]["loss"])
+    # no drafter: nothing to teach
+    plain = random_model(std=0.3, n_streams=0, stream_targets="greedy")
     torch.testing.assert_close(plain(idx, tgt, teacher=stream_teacher)[2]["loss"],
                                F.cross_entropy(plain(idx)[0].reshape(-1, 11), tgt.reshape(-1)))
 
@@ -243,13 +253,16 @@ def test_streams_without_a_target_add_nothing(stride, targets):
     """A sequence too short for stream j (T <= j + offset) trains the streams that have a
     target and adds 0 for the others: no error, no NaN."""
     for drafter in (dict(n_streams=3), dict(n_streams=0, n_medusa_heads=3)):
-        model = random_model(std=0.3, stream_stride=stride, stream_targets=targets, **drafter).train()
+        model = random_model(std=0.3, stream_stride=stride, stream_targets=targets,
+                             **drafter).train()
         for T in (1, 2, 3):
             idx = torch.randint(0, 11, (2, T))
             _, _, losses = model(idx, idx, teacher=stream_teacher)
             losses["loss"].backward()
-            assert torch.isfinite(losses["loss"]) and all(torch.isfinite(p.grad).all() for p in model.parameters())
-            assert [x.item() for x in losses["streams"][T - 1:]] == [0.0] * (4 - T)  # stream j >= T has no target
+            assert (torch.isfinite(losses["loss"])
+                    and all(torch.isfinite(p.grad).all() for p in model.parameters()))
+            # stream j >= T has no target
+            assert [x.item() for x in losses["streams"][T - 1:]] == [0.0] * (4 - T)
             model.zero_grad()
 
 
@@ -285,11 +298,13 @@ def _pass_mask(cache, parents, n_streams):
 
 
 def _prefill(model, tokens):
-    """A cache holding tokens, the main logits (1, n, V) and draft logits (1, n, g, V) of all of them."""
+    """A cache holding tokens, the main logits (1, n, V) and draft logits (1, n, g, V) of all of
+    them."""
     cache = KVCache(model.config, SLOTS, dtype=torch.float64)
     n = len(tokens)
     mask = _pass_mask(cache, np.arange(n) - 1, model.config.n_streams)
-    main, draft_logits = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask, cache=cache)
+    main, draft_logits = model.forward_nodes(torch.tensor([tokens]), torch.arange(n), mask,
+                                             cache=cache)
     cache.advance(torch.tensor([n]))
     return cache, main, draft_logits
 
@@ -297,7 +312,8 @@ def _prefill(model, tokens):
 def _head_calls(model, run):
     """run()'s result and the rows of each LM head call it made."""
     rows = []
-    hook = model.lm_head.register_forward_hook(lambda m, x, y: rows.append(x[0].numel() // x[0].shape[-1]))
+    hook = model.lm_head.register_forward_hook(
+        lambda m, x, y: rows.append(x[0].numel() // x[0].shape[-1]))
     try:
         return run(), rows
     finally:
@@ -316,12 +332,14 @@ def eq2_reference(parents, n_streams, streams_of, L):
             out.add(u)
         return out
 
-    rows = [(None, u) for u in range(len(parents))] + [(j, u) for u in streams_of for j in range(1, n_streams + 1)]
+    rows = ([(None, u) for u in range(len(parents))]
+            + [(j, u) for u in streams_of for j in range(1, n_streams + 1)])
     m = torch.zeros(len(rows), L + len(rows), dtype=torch.bool)
     for r, (j, u) in enumerate(rows):
         m[r, :L] = True  # the cached prefix
         for c, (i, v) in enumerate(rows):
-            if i is None:  # a main key: u's ancestors and u itself, for u's main row and its streams alike
+            # a main key: u's ancestors and u itself, for u's main row and its streams alike
+            if i is None:
                 m[r, L + c] = v in ancestors_or_self(u)
             else:  # a stream key: only u's own streams i <= j, and only from a stream row
                 m[r, L + c] = j is not None and v == u and i <= j
@@ -336,9 +354,11 @@ def test_pass_mask_is_eq2():
     gen = torch.Generator().manual_seed(0)
     for n, g, m in ((1, 1, None), (4, 2, None), (7, 3, None), (7, 3, 3), (9, 2, 1), (5, 3, 0)):
         B, L, S = 3, 3, 64
-        parents = [[-1] + [int(torch.randint(0, u, (1,), generator=gen)) for u in range(1, n)] for _ in range(B)]
+        parents = [[-1] + [int(torch.randint(0, u, (1,), generator=gen)) for u in range(1, n)]
+                   for _ in range(B)]
         anc = torch.stack([tree_mask(p) for p in parents])
-        idx = None if m is None else torch.stack([torch.randperm(n, generator=gen)[:m].sort().values for _ in range(B)])
+        idx = None if m is None else torch.stack(
+            [torch.randperm(n, generator=gen)[:m].sort().values for _ in range(B)])
         local = pass_mask(anc, g, idx)
         R = n + (n if m is None else m) * g
         assert local.shape == (B, R, R)
@@ -348,10 +368,12 @@ def test_pass_mask_is_eq2():
             want = eq2_reference(parents[b], g, streams_of, L)
             got = _with_prefix(local[b], L)
             assert torch.equal(got, want), (n, g, m, b)
-            assert torch.equal(got[:n, :L + n], _with_prefix(tree_mask(parents[b]), L))  # main rows: tree_mask
+            # main rows: tree_mask
+            assert torch.equal(got[:n, :L + n], _with_prefix(tree_mask(parents[b]), L))
             assert not got[:n, L + n:].any()  # the main stream never sees a stream
             cut = window[b, 0, :, S - L:2 * S - L]  # a row holding L tokens (KVCache.mask)
-            assert torch.equal(cut[:, :L + R] == 0, want) and torch.isinf(cut[:, :L + R][~want]).all()
+            assert (torch.equal(cut[:, :L + R] == 0, want)
+                    and torch.isinf(cut[:, :L + R][~want]).all())
             assert torch.isinf(cut[:, L + R:]).all() and (cut[:, L + R:] < 0).all()
     # without streams, or with none of the nodes carrying any: the tree's mask
     assert torch.equal(pass_mask(anc, 0), anc)
@@ -374,10 +396,12 @@ def test_incremental_decoding_equals_full_forward():
     torch.testing.assert_close(main, full_main[:, :5], rtol=0, atol=1e-10)
     torch.testing.assert_close(streams, full_streams[:, :5], rtol=0, atol=1e-10)
     for t in range(5, 20):
-        mask = _pass_mask(cache, [-1], model.config.n_streams)  # one node: the prefix, itself, its streams
+        # one node: the prefix, itself, its streams
+        mask = _pass_mask(cache, [-1], model.config.n_streams)
         # the main row's logits and its draft logits from one LM head call over all the pass's rows
         (m, d), heads = _head_calls(
-            model, lambda: model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]), mask, cache=cache))
+            model, lambda: model.forward_nodes(torch.tensor([[tokens[t]]]), torch.tensor([t]),
+                                               mask, cache=cache))
         assert heads == [1 + model.config.n_streams]
         cache.advance(torch.tensor([1]))
         torch.testing.assert_close(m[0, 0], full_main[0, t], rtol=0, atol=1e-10)
@@ -396,7 +420,8 @@ def test_a_pass_runs_the_first_streams_only():
     main, drafts = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, 3), cache=cache)
     assert drafts.shape == (1, 4, 3, 11)
     for g in (1, 2):
-        m, d = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, g), cache=cache, draft_depth=g)
+        m, d = model.forward_nodes(tokens, pos, _pass_mask(cache, parents, g), cache=cache,
+                                   draft_depth=g)
         assert d.shape == (1, 4, g, 11)
         torch.testing.assert_close(m, main, rtol=0, atol=1e-10)
         torch.testing.assert_close(d, drafts[..., :g, :], rtol=0, atol=1e-10)
@@ -419,7 +444,8 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
         L = cache.length
         mask = _pass_mask(cache, parents, model.config.n_streams)
         (main, streams), heads = _head_calls(
-            model, lambda: model.forward_nodes(torch.tensor([tokens]), torch.tensor([depths]) + L[:, None], mask,
+            model, lambda: model.forward_nodes(torch.tensor([tokens]),
+                                               torch.tensor([depths]) + L[:, None], mask,
                                                cache=cache))
         assert heads == [n * (1 + model.config.n_streams)]  # main and stream rows: one LM head call
         for u in range(n):  # every node: the logits of a plain forward over its root-to-node path
@@ -441,7 +467,8 @@ def test_tree_pass_equals_path_forward_and_compaction_equals_prefill():
         ctx = ctx + [tokens[v] for v in path]
         fresh, _, _ = _prefill(model, ctx)
         assert cache.length.tolist() == fresh.length.tolist() == [len(ctx)]
-        torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(ctx)], torch.stack(fresh.kv)[:, :, :len(ctx)], rtol=0, atol=1e-10)
+        torch.testing.assert_close(torch.stack(cache.kv)[:, :, :len(ctx)],
+                                   torch.stack(fresh.kv)[:, :, :len(ctx)], rtol=0, atol=1e-10)
 
 
 def test_config_errors():
@@ -450,13 +477,16 @@ def test_config_errors():
     with pytest.raises(ValueError, match="n_msa_layers"):
         GPTConfig(n_layer=2, n_msa_layers=3)
     with pytest.raises(ValueError, match="block_size"):
-        GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_msa_layers=1, n_embd=8, n_head=2))(torch.zeros(1, 9, dtype=torch.long))
-    # the extensions are subclasses, which build_model picks from the config; GPT itself refuses them
+        GPT(GPTConfig(block_size=8, vocab_size=5, n_layer=1, n_msa_layers=1, n_embd=8,
+                      n_head=2))(torch.zeros(1, 9, dtype=torch.long))
+    # the extensions are subclasses, which build_model picks from the config; GPT itself refuses
+    # them
     from ss_mini import build_model
     from ss_mini.extras.medusa import MedusaGPT
     from ss_mini.extras.pruning import PruningGPT
     small = dict(block_size=8, vocab_size=5, n_layer=2, n_msa_layers=1, n_embd=8, n_head=2)
-    for extra, cls in ((dict(n_streams=0, n_medusa_heads=2), MedusaGPT), (dict(prune_adapter_rank=2), PruningGPT)):
+    for extra, cls in ((dict(n_streams=0, n_medusa_heads=2), MedusaGPT),
+                       (dict(prune_adapter_rank=2), PruningGPT)):
         with pytest.raises(ValueError, match="build_model"):
             GPT(GPTConfig(**small, **extra))
         assert type(build_model(GPTConfig(**small, **extra))) is cls
@@ -469,15 +499,17 @@ def test_medusa_heads_draft_from_the_last_hidden_state():
     idx = torch.randint(0, 11, (2, 9))
     main, drafts, losses = model(idx, idx)
     with torch.no_grad():
-        h = model.transformer.h[0](model.transformer.wte(idx) + model.transformer.wpe(torch.arange(9)), 9,
-                                   tree_mask(np.arange(9) - 1), None, 0)
+        h = model.transformer.h[0](
+            model.transformer.wte(idx) + model.transformer.wpe(torch.arange(9)), 9,
+            tree_mask(np.arange(9) - 1), None, 0)
         for blk in model.transformer.h[1:]:
             h = blk(h, 9, tree_mask(np.arange(9) - 1), None, 0)
         h = model.transformer.ln_f(h)
         for k, head in enumerate(model.medusa_heads):
             torch.testing.assert_close(drafts[:, :, k], head.lm_head(h + F.silu(head.res(h))))
     assert len(losses["streams"]) == 2
-    fresh = random_model(n_streams=0, n_medusa_heads=2)  # Medusa's init: identity block, a copy of the base head
+    # Medusa's init: identity block, a copy of the base head
+    fresh = random_model(n_streams=0, n_medusa_heads=2)
     head = fresh.medusa_heads[0]
     assert torch.equal(head.lm_head.weight, fresh.lm_head.weight) and not head.res.weight.any()
     with pytest.raises(ValueError, match="choose one drafter"):
@@ -486,10 +518,12 @@ def test_medusa_heads_draft_from_the_last_hidden_state():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_with_a_packed_weight_is_the_same_product(bias):
-    """PackedLinear's packed weight (kernels.py) gives F.linear's values for every row count and batch
-    shape, on either side of the thresholds, and is packed again when the weight changes."""
+    """PackedLinear's packed weight (kernels.py) gives F.linear's values for every row count and
+    batch shape, on either side of the thresholds, and is packed again when the weight
+    changes."""
     torch.manual_seed(0)
-    for d_in, d_out in ((256, 1024), (64, 64)):  # 2^18 entries (packed when decoding) and a small weight
+    # 2^18 entries (packed when decoding) and a small weight
+    for d_in, d_out in ((256, 1024), (64, 64)):
         layer = PackedLinear(d_in, d_out, bias=bias)
         for step in range(2):
             for shape in ((1, 1), (1, 2), (1, 4), (2, 3), (1, 64), (1, 65), (3, 40)):
@@ -497,7 +531,8 @@ def test_linear_with_a_packed_weight_is_the_same_product(bias):
                 with torch.inference_mode():
                     y = layer(x)
                 assert y.shape == (*shape, d_out) and y.is_contiguous()
-                torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5,
+                                           atol=1e-5)
             with torch.no_grad():
                 layer.weight.mul_(-2.0)  # as an optimizer step would: the pack must follow
 
@@ -508,7 +543,8 @@ def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
     from types import SimpleNamespace
     from ss_mini.extras import kernels
     assert not kernels.mkl_packing(SimpleNamespace(_mkl_linear=None))  # the reorder op missing
-    assert kernels.mkl_packing(SimpleNamespace(_mkl_linear=None, _mkl_reorder_linear_weight=None)) == kernels.MKL
+    assert (kernels.mkl_packing(SimpleNamespace(_mkl_linear=None, _mkl_reorder_linear_weight=None))
+            == kernels.MKL)
     if not kernels.MKL:
         pytest.skip("this torch has no MKL packing")
     model = torch.nn.Sequential(PackedLinear(256, 1024)).eval()
@@ -526,7 +562,8 @@ def test_pack_linears_keeps_the_values():
     place, with the same weights and outputs; build_model packs."""
     for drafter in (dict(n_streams=3), dict(n_streams=0, n_medusa_heads=2)):
         model = random_model(std=0.3, dtype=torch.float32, **drafter)
-        assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert all(type(m) is PackedLinear
+                   for m in model.modules() if isinstance(m, torch.nn.Linear))
         plain = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 8)).eval()
         x = torch.randn(3, 256)
         with torch.inference_mode():

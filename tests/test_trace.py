@@ -42,7 +42,8 @@ CASES = {  # name: (model, tree, decoding settings)
     "pruned cartesian": (pruning_model, "3,2,1", dict(prune_threshold=0.2)),
     "pruned budget": (pruning_model, "n16", dict(prune_threshold=0.2)),
     "greedy lookup": (lambda: random_model(seed=2, std=0.4), "2,1+L4", {}),
-    "sampled lookup": (lambda: random_model(seed=1, std=0.4), "1,1+L3", dict(temperature=1.0, seed=7)),
+    "sampled lookup": (lambda: random_model(seed=1, std=0.4), "1,1+L3",
+                       dict(temperature=1.0, seed=7)),
     "pruned lookup": (pruning_model, "2,1+L3", dict(prune_threshold=0.2)),
 }
 
@@ -111,9 +112,11 @@ def test_trace_replays_to_the_output(case):
             elif status == "unreached" and node["parent"] in path:
                 assert p["cache_length"] + node["depth"] > model.config.block_size - 1
             elif status == "twin":  # a draft from the text and a stream node: the same tokens
-                assert "text" in nodes[u]["source"] or any("text" in str(nodes[v]["source"]) for v in path)
+                assert ("text" in nodes[u]["source"]
+                        or any("text" in str(nodes[v]["source"]) for v in path))
             assert (status in ("root", "accepted")) == (u in path)
-            assert (node["source"] is None) == (u == 0) and (node["rank"] < 0) == ("text" in str(node["source"]))
+            assert ((node["source"] is None) == (u == 0)
+                    and (node["rank"] < 0) == ("text" in str(node["source"])))
     # tracing changes nothing: the same call without it gives the same tokens (sampling included)
     make_model, spec, _ = CASES[case]
     fresh = make_model()

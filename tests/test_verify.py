@@ -28,13 +28,16 @@ def verify_reference(p, q, ranked, shape, u, race_u):
         y = None
         for r, child in enumerate(shape.children[node]):  # in rank order
             x = ranked[row, shape.ranks[child]].item()
-            if u[node, r] * q_node[x] < min(p_node[x], q_node[x]):  # accept with probability min(1, p(x)/q(x))
+            # accept with probability min(1, p(x)/q(x))
+            if u[node, r] * q_node[x] < min(p_node[x], q_node[x]):
                 y = x
                 break
-            p_node = (p_node - q_node).clamp_min(0)  # rejected: p becomes the residual max(0, p - q) ...
+            # rejected: p becomes the residual max(0, p - q) ...
+            p_node = (p_node - q_node).clamp_min(0)
             if p_node.sum() > 0:
                 p_node = p_node / p_node.sum()  # ... normalised
-            q_node[x] = 0  # x leaves q, which is renormalised (if anything is left: else nothing can be accepted)
+            # x leaves q, which is renormalised (if anything is left: else nothing can be accepted)
+            q_node[x] = 0
             if q_node.sum() > 0:
                 q_node = q_node / q_node.sum()
         if y is None:  # none accepted: a draw from the residual (from p if it underflowed to zero)
@@ -57,8 +60,10 @@ def _random_logits(seed, V, ties):
 
 
 @pytest.mark.parametrize("tree", ["1,1,1", "3,2,1", "2,2,2", "5,1", "n8", "n16"])
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=2), dict(temperature=1.3, top_p=0.5),
-                                dict(temperature=1.0, ties=True)], ids=["T1", "top_k2", "top_p", "ties"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=2),
+                                dict(temperature=1.3, top_p=0.5),
+                                dict(temperature=1.0, ties=True)],
+                         ids=["T1", "top_k2", "top_p", "ties"])
 def test_vectorised_verify_is_the_reference_rule(tree, kw):
     """The same tokens from the same uniforms, on random trees, p and q; with top_k=2 and top_p
     q's support is often smaller than a depth's width (candidates never drawn)."""
@@ -68,7 +73,8 @@ def test_vectorised_verify_is_the_reference_rule(tree, kw):
     t = make_tree(tree, 3).bind(config, "cpu", torch.float64)
     for seed in range(25):
         main_logits, draft_logits = _random_logits(seed, config.vocab_size, ties)
-        draft_logits = draft_logits[None, :t.draft_depth]  # a batch of one row, as speculative_step drafts it
+        # a batch of one row, as speculative_step drafts it
+        draft_logits = draft_logits[None, :t.draft_depth]
         sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), seed, "cpu")
         ranked, draft_probs = sampler.draft(draft_logits, t.width)
         shape = t.shape(draft_logits, draft_probs, depth_limit=torch.tensor([3]))
@@ -92,8 +98,8 @@ def test_a_residual_that_underflows_falls_back_to_the_target(monkeypatch):
     q = torch.tensor([[0.0, 0.0, 0.2, 0.3, 0.5]], dtype=torch.float64)
     sampler = Sampler(1.0, None, None, 0, "cpu")
     monkeypatch.setattr(sampler, "probs", lambda logits: q.expand(len(logits), V) / 2)
-    shape = type("Shape", (), dict(cand_row=torch.zeros(400, dtype=torch.long), tries=torch.ones(400, 1),
-                                   max_children=1))()
+    shape = type("Shape", (), dict(cand_row=torch.zeros(400, dtype=torch.long),
+                                   tries=torch.ones(400, 1), max_children=1))()
     ranked = torch.tensor([[4]])
     ys = sampler.verify(torch.zeros(400, V), q, ranked, shape)
     assert set(ys.tolist()) <= {2, 3, 4} and (ys != 4).any(), ys.bincount()
@@ -127,10 +133,12 @@ def test_what_a_tree_keeps_is_bounded_in_bytes():
     between steps (its template, and a Cartesian tree's one shape per batch size) stays under a
     byte bound and does not grow with the shapes it has made."""
     def held(obj, seen=None):
-        """Bytes of the tensors an object keeps in its attributes (and theirs), each counted once."""
+        """Bytes of the tensors an object keeps in its attributes (and theirs), each counted
+        once."""
         seen = set() if seen is None else seen
         total = 0
-        for v in (vars(obj).values() if hasattr(obj, "__dict__") else obj.values() if isinstance(obj, dict)
+        for v in (vars(obj).values() if hasattr(obj, "__dict__")
+                  else obj.values() if isinstance(obj, dict)
                   else obj if isinstance(obj, (list, tuple)) else []):
             if isinstance(v, torch.Tensor):
                 if v.data_ptr() not in seen:
@@ -144,17 +152,21 @@ def test_what_a_tree_keeps_is_bounded_in_bytes():
     gen = torch.Generator().manual_seed(0)
     for t in (BudgetTree(8, 3), CartesianTree([2, 2, 1])):
         t.bind(config, "cpu", torch.float32)
-        bound = held(t) if isinstance(t, BudgetTree) else None  # a budget tree keeps its template only
-        t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, depth_limit=torch.tensor([3, 2, 1]))
+        # a budget tree keeps its template only
+        bound = held(t) if isinstance(t, BudgetTree) else None
+        t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3,
+                depth_limit=torch.tensor([3, 2, 1]))
         first = held(t)
         for _ in range(200):
-            shape = t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3, depth_limit=torch.tensor([3, 2, 1]))
+            shape = t.shape(torch.randn(3, 3, config.vocab_size, generator=gen) * 3,
+                            depth_limit=torch.tensor([3, 2, 1]))
             assert shape.n_nodes == len(t)
             assert held(t) == first, (t, held(t), first)
         if bound is not None:
             assert first == bound <= 20_000, (t, first, bound)
         else:  # a Cartesian tree's one shape, made once for a batch of 3 rows and reused
-            assert t.shape(torch.randn(3, 3, config.vocab_size, generator=gen), depth_limit=torch.tensor([3, 2, 1])) is shape
+            assert t.shape(torch.randn(3, 3, config.vocab_size, generator=gen),
+                           depth_limit=torch.tensor([3, 2, 1])) is shape
 
 
 def test_the_race_never_takes_log_zero(monkeypatch):
@@ -162,7 +174,8 @@ def test_the_race_never_takes_log_zero(monkeypatch):
     weight w > 0 (log 0 = -inf would tie it with the tokens of weight 0, and argmax would pick
     the first of them: a token of probability 0); tokens of weight 0 get -inf."""
     from ss_mini.sampling import _race
-    weights = torch.tensor([[0.0, 0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    weights = torch.tensor([[0.0, 0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 0.0, 1.0, 0.0]],
+                           dtype=torch.float64)
     for dtype in (torch.float32, torch.float64):
         w = weights.to(dtype)
         keys = _race(w, torch.zeros_like(w))
@@ -180,8 +193,10 @@ def test_the_race_never_takes_log_zero(monkeypatch):
     assert sampler.pick(logits).tolist() == [2, 3]
     ranked, probs = sampler.draft(logits[None], 2)
     assert ranked[0, :, 0].tolist() == [2, 3]
-    shape = type("Shape", (), dict(cand_row=torch.zeros(2, dtype=torch.long), tries=torch.ones(2, 1), max_children=1))()
-    other = torch.tensor([[4.0, 0.0, 0.0, 0.0]])  # q: the draft always proposes token 0, which p never emits
+    shape = type("Shape", (), dict(cand_row=torch.zeros(2, dtype=torch.long),
+                                   tries=torch.ones(2, 1), max_children=1))()
+    # q: the draft always proposes token 0, which p never emits
+    other = torch.tensor([[4.0, 0.0, 0.0, 0.0]])
     _, q = Sampler(1.0, 1, None, 0, "cpu").draft(other, 1)
     ys = sampler.verify(logits, q, torch.zeros(1, 1, dtype=torch.long), shape)
     assert ys.tolist() == [2, 3]
