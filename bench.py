@@ -268,7 +268,8 @@ def lookup_report(runs, r, tree, log):
     m = lk[r["median_run"]]
     name = lookup_baseline(tree)
     line = (f"prompt-lookup decoding alone ({name}, this model, cache and step): "
-            f"{m['speedup']:.2f}x plain, tau {m['mean_accepted']:.2f}; tree {tree_name(tree)} "
+            f"{m['speedup']:.2f}x plain, tau {m['mean_accepted']:.2f}, "
+            f"{m['ss_ms_per_pass']:.2f} ms a pass; tree {tree_name(tree)} "
             f"{statistics.median(ratio):.2f}x it ({min(ratio):.2f}-{max(ratio):.2f}x)")
     log("  " + line)
     return dict(m, tree=str(name), tree_over_lookup=ratio), line
