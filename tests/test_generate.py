@@ -363,6 +363,28 @@ def test_medusa_sampling_with_a_tree_less_deep_than_its_heads():
         assert again == out  # one seed, one output
 
 
+def _nodes_of_8_targets(gen, n, V):
+    """n nodes over 8 targets, node u of target u % 8: (the targets' logits (8, V), each node's
+    target logits (n, V), each node's q logits: its target's plus noise, from none to much)."""
+    base = torch.randn(8, V, generator=gen) * 1.5
+    logits = base.repeat(n // 8, 1)
+    q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
+    return base, logits, q_logits
+
+
+def _assert_each_target_followed(ys, p):
+    """The tokens ys (n,) emitted by the nodes of each target i (u % 8 == i) follow p[i]: no
+    token of probability 0, and a chi-square test."""
+    V, n = p.shape[1], len(ys)
+    for i in range(8):
+        got = torch.bincount(ys[i::8], minlength=V).tolist()
+        assert not [t for t in range(V) if p[i, t] == 0 and got[t]], (
+            "a token of probability 0 was emitted")
+        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)},
+                                        dict(enumerate(p[i].tolist())), n // 8)
+        assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
+
+
 @pytest.mark.parametrize("children", [1, 2, 3, 5])
 @pytest.mark.parametrize("kw", SAMPLING + [dict(temperature=0.9, top_k=2)],
                          ids=["T1", "top_k", "top_p", "top_k2"])
@@ -373,23 +395,13 @@ def test_verify_emits_the_target_distribution(children, kw):
     both accepted and rejected."""
     V, n = 6, 50_000
     gen = torch.Generator().manual_seed(0)
-    # 8 targets; each node's q: its target's logits plus noise
-    base = torch.randn(8, V, generator=gen) * 1.5
-    logits = base.repeat(n // 8, 1)
-    q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
+    base, logits, q_logits = _nodes_of_8_targets(gen, n, V)
     sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
     ranked, q = sampler.draft(q_logits, children)
     shape = SimpleNamespace(cand_row=torch.arange(n), tries=torch.ones(n, children),
                             max_children=children)
     ys = sampler.verify(logits, q, ranked, shape)
-    p = target_probs(base, **kw)
-    for i in range(8):  # the nodes of target i: their tokens against p_i
-        got = torch.bincount(ys[i::8], minlength=V).tolist()
-        assert not [t for t in range(V) if p[i, t] == 0 and got[t]], (
-            "a token of probability 0 was emitted")
-        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)},
-                                        dict(enumerate(p[i].tolist())), n // 8)
-        assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
+    _assert_each_target_followed(ys, target_probs(base, **kw))
     # candidates past q's support (top_k < children) were never drawn
     drawn = q.gather(1, ranked) > 0
     # a rejected draft keeps no residual mass
@@ -735,9 +747,7 @@ def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
     of probability 0 too, or none) tried first: the emitted tokens follow p exactly."""
     V, n = 6, 50_000
     gen = torch.Generator().manual_seed(1)
-    base = torch.randn(8, V, generator=gen) * 1.5
-    logits = base.repeat(n // 8, 1)
-    q_logits = logits + torch.randn(n, V, generator=gen) * torch.linspace(0, 3, n)[:, None]
+    base, logits, q_logits = _nodes_of_8_targets(gen, n, V)
     sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
     ranked, q = sampler.draft(q_logits, 2)
     children = torch.arange(n) // 8 % 3  # 0, 1 or 2 children from q
@@ -745,13 +755,7 @@ def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
     shape = SimpleNamespace(cand_row=torch.arange(n), tries=tries, max_children=2)
     look = torch.randint(-1, V, (n,), generator=gen)
     ys = sampler.verify(logits, q, ranked, shape, look)
-    p = target_probs(base, **kw)
-    for i in range(8):
-        got = torch.bincount(ys[i::8], minlength=V).tolist()
-        assert not [t for t in range(V) if p[i, t] == 0 and got[t]]
-        ok, stat, crit = _chi_square_ok({t: c for t, c in enumerate(got)},
-                                        dict(enumerate(p[i].tolist())), n // 8)
-        assert ok, f"target {i}: chi-square {stat:.1f} >= {crit:.1f}"
+    _assert_each_target_followed(ys, target_probs(base, **kw))
     assert 1000 < (ys == look).sum() < n - 1000  # drafts from the text accepted and rejected
 
 
