@@ -49,8 +49,7 @@ def attention_window(local, max_len, dtype):
     writes the pass at slots L, L+1, ..., so its mask over the cache is this window from
     column max_len - L on (`KVCache.mask`): one gather on the device per pass."""
     B, R, W = local.shape
-    add = torch.zeros(local.shape, dtype=dtype, device=local.device)
-    add = add.masked_fill_(~local, float("-inf"))
+    add = torch.zeros_like(local, dtype=dtype).masked_fill_(~local, float("-inf"))
     prefix = add.new_zeros(B, R, max_len)
     rest = add.new_full((B, R, max_len - W), float("-inf"))
     return torch.cat([prefix, add, rest], dim=2).unsqueeze(1)

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kvcache import KVCache
 from .masks import pass_mask, tree_mask
 
 
@@ -158,6 +159,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    cache_class = KVCache  # decoding's KV cache; build_model gives a CPU's eager steps a leaner one
+
     def __init__(self, config):
         super().__init__()
         if type(self) is GPT and (config.n_medusa_heads or config.prune_adapter_rank):

@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from .kvcache import KVCache
 from .masks import attention_window, pass_mask
 from .tree import TreeShape
 
@@ -157,7 +156,7 @@ def prefill(model, contexts, draft_depth, cache_slots=None):
     idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in contexts], device=w.device)
     last = torch.tensor([len(c) - 1 for c in contexts], device=w.device)[:, None]  # (B, 1)
     g = model.streams_in_pass(draft_depth)
-    cache = KVCache(model.config, cache_slots or n + g, B, device=w.device, dtype=w.dtype)
+    cache = model.cache_class(model.config, cache_slots or n + g, B, device=w.device, dtype=w.dtype)
     causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
     window = attention_window(pass_mask(causal, g, stream_idx=last), cache.max_len, w.dtype)
     main_logits, draft_logits = model.forward_nodes(

@@ -47,8 +47,7 @@ class TreeShape:
         self.parent = inv.gather(1, t.parent[sel])
         self.path = inv.gather(1, t.path[sel].flatten(1)).view(B, n, -1)
         anc = t.anc[sel[:, :, None], sel[:, None, :]]
-        self.anc = anc.clone()
-        self.anc[:, :, 0] = False
+        self.anc = anc & (self.depth > 0).unsqueeze(1)  # the root left out
         ones = (self.rank[:, 1:] >= 0).float()  # children drafted by q
         children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
         self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()

@@ -11,6 +11,7 @@ from ss_mini.kvcache import KVCache
 from ss_mini.sampling import Sampler
 from ss_mini.step import ar_step, ar_window, prefill, speculative_step
 from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras.kernels import LeanKVCache
 
 
 def _prompts(seed, B, vocab=11):
@@ -220,6 +221,7 @@ def test_a_step_never_reads_the_device(monkeypatch, spec, kw):
     """speculative_step (draft, forward, verify, accept) and ar_step read nothing back to the host;
     the decoders read once per step: the tokens they emit."""
     model = random_model(seed=2, std=0.4)
+    model.cache_class = KVCache  # LeanKVCache reads the lengths on a CPU (extras/kernels.py)
     tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64, batch_size=2)
     sampler = Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
     cache, logits, drafts = prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)
@@ -270,6 +272,43 @@ def test_the_full_batch_span_ends_when_a_row_has_no_prompt_to_take_its_place():
     assert 0 < st.full_tokens < st.new_tokens and st.full_passes < st.passes
 
 
+
+@pytest.mark.parametrize("spec", ["1,1,1", "3,2,1", "n8", "2,1+L3"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_k=5, seed=3)],
+                         ids=["greedy", "sampling"])
+def test_the_lean_cache_computes_what_the_plain_cache_does(monkeypatch, spec, kw):
+    """LeanKVCache (extras/kernels.py: a slice written and only the slots in use read, in a CPU's
+    eager steps) against KVCache: the same main logits at every pass (float64) and the same tokens,
+    both decoders, past block_size, for one prompt (the lean path, which must have run: masks
+    narrower than the cache) and for rows of different lengths (KVCache's path, but where the
+    rows' lengths are equal: the prefill)."""
+    model = random_model(seed=3, std=0.4, block_size=40)
+    forward, seen = model.forward_nodes, {}
+
+    def spy(idx, pos, mask, cache=None, **kw):
+        out = forward(idx, pos, mask, cache=cache, **kw)
+        seen[key].append((out[0], mask.shape[-1] < cache.max_len))
+        return out
+    monkeypatch.setattr(model, "forward_nodes", spy)
+    for prompts in ([1, 2, 3], [[1, 2, 3], list(range(1, 11))]):
+        for decoder in ("ar", "ss"):
+            tokens = {}
+            for cls in (KVCache, LeanKVCache):
+                model.cache_class, key = cls, cls
+                seen[key] = []
+                if decoder == "ar":
+                    tokens[cls] = generate_ar(model, prompts, 50, **kw)[0]
+                else:
+                    tokens[cls] = generate_speculative(model, prompts, 50, make_tree(spec, 3),
+                                                       **kw)[0]
+            assert tokens[LeanKVCache] == tokens[KVCache]
+            plain, lean = seen[KVCache], seen[LeanKVCache]
+            assert len(plain) == len(lean) and not any(narrow for _, narrow in plain)
+            narrow = [n for _, n in lean]
+            assert any(narrow) if isinstance(prompts[0], int) else not all(narrow)
+            for (a, _), (b, _) in zip(plain, lean):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
 @pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]],
                                      [[5, 6, 7, 8]]])
 def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
@@ -280,6 +319,7 @@ def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):
     and tail, and the same outputs and logits (float64) when every slot from each row's length
     on holds garbage before the pass, as when it holds whatever earlier passes left there."""
     model = random_model(seed=6, std=0.4, block_size=96)
+    model.cache_class = KVCache  # (LeanKVCache reads fewer slots: the next test)
     tree = make_tree("2,1", 3)
     forward, gen = model.forward_nodes, torch.Generator().manual_seed(0)
     logits, garbage = {}, False

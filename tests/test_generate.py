@@ -13,6 +13,7 @@ from ss_mini.io.checkpoint import load_model
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
+from ss_mini.kvcache import KVCache
 from ss_mini.step import prefill
 from ss_mini.extras.budget_tree import BudgetTree, make_tree
 from ss_mini.extras.lookup import lookup
@@ -150,6 +151,7 @@ def test_mark_static_marks_every_tensor_a_step_writes(spec, kw):
     from ss_mini.extras.compile import mark_static
     from ss_mini.step import ar_window
     model = random_model(seed=2, std=0.4)
+    model.cache_class = KVCache  # LeanKVCache reads the lengths on a CPU (extras/kernels.py)
     tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64, batch_size=2)
     sampler = Sampler(kw.get("temperature", 0.0), kw.get("top_k"), None, 0, "cpu")
     cache, logits, drafts = prefill(model, [[1, 2, 3], [4, 5]], tree.draft_depth, tree.max_len)

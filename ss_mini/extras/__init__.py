@@ -2,13 +2,16 @@
 stream targets, compiled steps and packed CPU weights. `build_model` makes what a config
 describes."""
 from ..model import GPT
-from .kernels import pack_linears
+from .kernels import LeanKVCache, pack_linears
 from .medusa import MedusaGPT
 from .pruning import PruningGPT
 
 
 def build_model(config):
-    """The model a config describes: GPT, or with Medusa heads or the pruning adapter, its big
-    Linear layers packed for a CPU's few-row products (kernels.py: the same values)."""
+    """The model a config describes: GPT, or with Medusa heads or the pruning adapter, made lean
+    for a CPU's eager decoding (kernels.py: the same values): its big Linear layers packed for
+    few-row products, its cache `LeanKVCache`."""
     cls = MedusaGPT if config.n_medusa_heads else PruningGPT if config.prune_adapter_rank else GPT
-    return pack_linears(cls(config))
+    model = pack_linears(cls(config))
+    model.cache_class = LeanKVCache
+    return model

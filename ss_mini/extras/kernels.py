@@ -1,4 +1,5 @@
-"""Eager decoding made lean on a CPU: weights packed once for few-row products.
+"""Eager decoding made lean on a CPU: weights packed once for few-row products, and a KV cache
+that writes a slice and reads only the slots in use.
 
 Decoding multiplies big weights by few rows: one row in an autoregressive step, a few tens
 in a tree pass. Such a product should cost one read of the weight. `F.linear` on a CPU does
@@ -10,10 +11,14 @@ autoregressive baseline and the tree passes get the same kernel. `pack_linears(m
 a model's big Linear layers into `PackedLinear`, which computes exactly what nn.Linear does
 (tested); training (gradients on), small weights, other devices, a torch without MKL and
 torch.compile keep `F.linear`. Measured in docs/packed-weights.md.
+
+`LeanKVCache` is kvcache.py's cache for the same eager CPU steps (docs/static-step.md).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..kvcache import KVCache
 
 BIG = 1 << 18  # weight entries from which packing pays (smaller weights stay in cache anyway)
 FEW = 64  # rows up to which a product counts as few-row
@@ -71,3 +76,45 @@ def pack_linears(model):
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
     return model
+
+
+class LeanKVCache(KVCache):
+    """KVCache for eager steps on a CPU, where reading the rows' lengths costs no synchronisation.
+    While every row holds as many tokens L (one prompt: always), a pass writes its keys and values
+    as a slice at L, and attention reads only the first slots, up to the pass's end rounded up to
+    SPAN, where KVCache gathers per row and reads every slot. The same values (tested); compiled
+    steps, other devices and rows of different lengths take KVCache's path."""
+
+    SPAN = 16  # slots read are a multiple of it, so a few views serve every pass
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slice = None  # (L, slots read) for this pass, set by `mask` when the rows share L
+        self._views = {}  # (layer, slots read): that layer's keys and values, made once
+
+    def mask(self, window):
+        self._slice = None
+        if self.length.device.type == "cpu" and not torch.compiler.is_compiling():
+            lengths = self.length.tolist()
+            if min(lengths) == max(lengths):
+                L, S = lengths[0], self.max_len
+                self._slice = L, min(S, -(-(L + window.shape[2]) // self.SPAN) * self.SPAN)
+                return window[..., S - L:S - L + self._slice[1]]
+        return super().mask(window)
+
+    def write(self, layer, kv):
+        if self._slice is None or kv.requires_grad:
+            return super().write(layer, kv)
+        L, span = self._slice
+        self.kv[layer][:, L:L + kv.shape[1]] = kv
+        if (layer, span) not in self._views:
+            self._views[layer, span] = self.kv[layer][:, :span].transpose(1, 3).unbind(2)
+        return self._views[layer, span]
+
+    def advance(self, accepted):
+        super().advance(accepted)
+        self._slice = None
+
+    def put_rows(self, rows, other):
+        super().put_rows(rows, other)
+        self._slice = None
