@@ -11,6 +11,7 @@
     python bench.py --train_steps=10       # also ms/iter of training with and without streams
     python bench.py --json                 # one JSON document on stdout (the report on stderr)
     python bench.py --pass_cost            # one speculative step's cost, in autoregressive steps
+    python bench.py --pass_cost --temperature=0.8   # the same, both steps sampling
     python bench.py --compile=True         # also both decoders with torch.compile, against eager
     python bench.py --compare=out-ft-plain,out-ft-ss,out-ft-medusa   # the paper's Table 1, here
     python bench.py --plot=search.png      # the tree search as a figure (pip install -e ".[plot]")

@@ -315,6 +315,25 @@ def test_bench_pass_cost_json(tiny_ckpt):
         assert all(v > 0 for v in doc[key].values())
 
 
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_pass_cost_times_the_steps_of_the_sampling_mode_asked(monkeypatch, temperature):
+    """`bench.py --pass_cost --temperature=T` (lab/measure.py pass_cost): every speculative step
+    it times verifies by speculative sampling when T > 0, and greedily when T = 0."""
+    from conftest import random_model
+    from ss_mini.lab.measure import pass_cost
+    from ss_mini.sampling import Sampler
+    sampled, verify = [], Sampler.verify
+
+    def spy(self, main_logits, draft_probs, *args, **kwargs):
+        sampled.append(draft_probs is not None)
+        return verify(self, main_logits, draft_probs, *args, **kwargs)
+    monkeypatch.setattr(Sampler, "verify", spy)
+    costs, floors, ar_ms = pass_cost(random_model(seed=1, std=0.4), [1, 2, 3, 4, 5], sizes=(1, 4),
+                                     steps=2, warmup=1, temperature=temperature)
+    assert sorted(costs) == [1, 4] and all(v > 0 for v in costs.values()) and ar_ms > 0
+    assert sampled and set(sampled) == {temperature > 0}
+
 BAD = [  # (script, flags, words the one-line error must contain)
     ("train.py", ["--batch_size=0"], "--batch_size"),
     ("train.py", ["--block_size=0"], "--block_size"),

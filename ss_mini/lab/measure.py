@@ -242,14 +242,15 @@ def copy_bandwidth(device, dtype=torch.float32, mb=256, repeats=5):
 
 @torch.inference_mode()
 def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_size=1,
-              compiled=False):
+              compiled=False, temperature=0.0, top_k=None, top_p=None):
     """Wall time of one whole speculative step over a budget tree of n nodes (draft, forward,
     verify, accept: `speculative_step`) divided by that of one autoregressive step
     (`ar_step` and its host sync), after a prefill of `context` tokens, greedy; median over
     `steps` steps of each, interleaved, each timed right after one of its own kind (a compiled
     step's frozen weights are its own copy: after other steps they would be out of the CPU's
     caches, as they never are in decoding). Every step starts from the same cache length,
-    root and drafts; batch_size rows, all of the same context, step together.
+    root and drafts; batch_size rows, all of the same context, step together. temperature > 0:
+    both steps sample (their random draws made ahead, as the decoders make them).
 
     Also the floor that no leaner step goes below on this machine, up to the timing's noise
     (a few hundredths): 1 + (the matrix products of the speculative pass - those of the
@@ -260,7 +261,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     T, L = cfg.block_size, len(context)
     trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
-    sampler = Sampler(0.0, None, None, None, dev)
+    sampler = Sampler(temperature, top_k, top_p, 0, dev)
     rows = [list(context)] * batch_size  # every row the same: a batch of batch_size
     for t in trees.values():
         t.bind(cfg, dev, dtype, batch_size)
@@ -272,10 +273,14 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
         plain, spec = compile_step(ar_step), compile_step(speculative_step)
 
     def ar():
+        sampler.draw_ahead(pick=(batch_size, cfg.vocab_size))
         plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
+        B, V = batch_size * n, cfg.vocab_size
+        sampler.draw_ahead(draft=(batch_size, t.draft_depth, V), look=(B, 1), verify=(B, t.width),
+                           residual=(B, V))
         spec(model, cache, root, q, t, sampler).n_emitted.tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),

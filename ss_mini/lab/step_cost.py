@@ -83,10 +83,13 @@ def step_costs(cfg, device, dtype, log):
     model, context, name = cost_model(cfg, device, dtype)
     c = model.config
     B = cfg["batch_size"]
-    costs, floors, ar_ms = pass_cost(model, context, batch_size=B)
+    sampling = dict(temperature=cfg["temperature"], top_k=cfg["top_k"] or None, top_p=cfg["top_p"])
+    costs, floors, ar_ms = pass_cost(model, context, batch_size=B, **sampling)
     log(f"{name}: {c.n_layer} layers x {c.n_embd}, vocabulary {c.vocab_size}, {describe(c)}, "
         f"{device} {str(dtype)[6:]}, {threads()}; KV cache of {len(context)} tokens"
-        + (f"; a batch of {B} rows" if B > 1 else ""))
+        + (f"; a batch of {B} rows" if B > 1 else "")
+        + (f"; both steps sample at temperature {cfg['temperature']:g}" if cfg["temperature"]
+           else ""))
     log(f"one autoregressive step: {ar_ms:.3f} ms (median); one speculative step over a tree of "
         "n nodes, in autoregressive steps:")
     log("  " + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
@@ -104,7 +107,7 @@ def step_costs(cfg, device, dtype, log):
               "ar_ms_per_step": ar_ms, "cache_tokens": len(context)}
     result.update(bandwidth(model, len(context), B, device, dtype, costs, ar_ms, log))
     if cfg["compile"]:
-        costs, _, ar_ms = pass_cost(model, context, batch_size=B, compiled=True)
+        costs, _, ar_ms = pass_cost(model, context, batch_size=B, compiled=True, **sampling)
         log(f"with torch.compile: one autoregressive step {ar_ms:.3f} ms; speculative steps in "
             "compiled autoregressive steps:\n  "
             + "  ".join(f"n={n}: {r:.2f}x" for n, r in costs.items()))
