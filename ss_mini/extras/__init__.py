@@ -1,6 +1,6 @@
 """Around the method: Medusa heads (the paper's baseline), parallel tree pruning, distilled
-stream targets, compiled steps and packed CPU weights. `build_model` makes what a config
-describes."""
+stream targets, compiled steps and a CPU's lean eager decoding (packed weights, a KV cache that
+writes slices). `build_model` makes what a config describes."""
 from ..model import GPT
 from .kernels import LeanKVCache, pack_linears
 from .medusa import MedusaGPT
