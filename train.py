@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ss_mini.io.checkpoint import load_checkpoint, make_checkpoint, model_config, save_checkpoint
-from ss_mini.io.pretrained import crop_block_size, find_gpt2_files, load_gpt2
-from ss_mini.io.cli import (UsageError, at_least, check, in_range, one_of, parse_args, pick_device,
+from ss_mini.io.checkpoint import make_checkpoint, model_config, save_checkpoint
+from ss_mini.io.pretrained import crop_block_size, load_gpt2
+from ss_mini.io.cli import (UsageError, at_least, in_range, one_of, parse_args, pick_device,
                             pick_dtype)
 from ss_mini.io.data import Tokenizer, fingerprint, load_split, prepare
 from ss_mini.extras import build_model
 from ss_mini.extras.distill import stream_teacher
 from ss_mini.extras.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
-from ss_mini.io.nanogpt import import_nanogpt
+from ss_mini.io.run_start import MODEL_KEYS, check_config
 
 # ----------------------------------------------------------------------------- config
 config = dict(
@@ -104,9 +104,6 @@ RULES = dict(
     meta_pkl=(lambda v: not v or os.path.isfile(v),
               "the path of a nanoGPT meta.pkl that exists (or empty)"),
 )
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams",
-              "n_msa_layers", "stream_loss_weight", "stream_targets", "stream_stride",
-              "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
 STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_targets",
                "stream_stride", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank",
                "dropout")  # what fine-tuning may change
@@ -120,85 +117,7 @@ def get_lr(it, cfg):
                                                                       - cfg["min_lr"])
 
 
-# ----------------------------------------------------------------------------- checks
-def check_config(cfg, given):
-    """Every flag against its meaning, and the run against what is on disk, before any work:
-    a fresh run never replaces a checkpoint unless --overwrite=True says so; a resumed run
-    takes its data, tokenizer and model from the checkpoint, and a flag that contradicts
-    them is an error. Returns the checkpoint to start from (to resume, to fine-tune, or
-    nanoGPT's, imported), or None."""
-    check_flags(cfg)
-    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    if cfg["init_from"] != "resume":
-        return fresh_start(cfg, given, ckpt_path)
-    return resumed_start(cfg, given, ckpt_path)
-
-
-def check_flags(cfg):
-    """The flags against their meanings and each other (and GPT-2's weights: they exist)."""
-    check(cfg, RULES)
-    if cfg["min_lr"] > cfg["learning_rate"]:
-        raise UsageError(f"--min_lr={cfg['min_lr']} is above "
-                         f"--learning_rate={cfg['learning_rate']}")
-    g = max(cfg["n_streams"], cfg["n_medusa_heads"])
-    k = cfg["stream_stride"] if g else 1
-    if cfg["block_size"] < g + k + 1:  # the last stream needs a target at every offset
-        raise UsageError(f"--block_size={cfg['block_size']} leaves stream {g} no target: use a "
-                         f"block_size of at least the number of streams + stream_stride + 1 = "
-                         f"{g + k + 1}")
-    if cfg["init_from"] == "scratch":  # its own checks (heads divide the width, Ns <= layers, ...)
-        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
-    if cfg["init_from"].startswith("gpt2:"):
-        if cfg["tokenizer"] != "gpt2":
-            raise UsageError("--init_from=gpt2:... needs --tokenizer=gpt2 (GPT-2's own BPE)")
-        find_gpt2_files(cfg["init_from"][5:])  # the weights exist before a dataset is tokenised
-    if cfg["meta_pkl"] and not cfg["init_from"].startswith("nanogpt:"):
-        raise UsageError("--meta_pkl is the vocabulary of a nanoGPT checkpoint: give it with "
-                         "--init_from=nanogpt:PATH")
-
-
-def fresh_start(cfg, given, ckpt_path):
-    """A run that starts anew: the checkpoint it starts from (nanoGPT's, imported, or one to
-    fine-tune), or None (scratch, GPT-2's weights)."""
-    if os.path.exists(ckpt_path) and not cfg["overwrite"]:
-        raise UsageError(f"{ckpt_path} exists: continue it with --init_from=resume, write "
-                         "elsewhere with --out_dir=DIR, or replace it with --overwrite=True")
-    if cfg["init_from"].startswith("nanogpt:"):
-        # its weights, and its vocabulary: the dataset is encoded with nanoGPT's ids
-        source = import_nanogpt(cfg["init_from"][8:], cfg["dataset"], cfg["meta_pkl"],
-                                cfg["block_size"] if "block_size" in given else None)
-        kind = source["tokenizer"]["tokenizer"]
-        if "tokenizer" in given and cfg["tokenizer"] != kind:
-            raise UsageError(f"--tokenizer={cfg['tokenizer']} contradicts {source['source']}, "
-                             f"which uses {source['meta_pkl'] or 'GPT-2 BPE'}: drop the flag")
-        cfg["tokenizer"], cfg["meta_pkl"] = kind, source["meta_pkl"]
-        return source
-    if cfg["init_from"] == "scratch" or cfg["init_from"].startswith("gpt2:"):
-        return None
-    source = load_checkpoint(cfg["init_from"])
-    # a model imported from nanoGPT keeps its vocabulary
-    cfg["meta_pkl"] = source.get("config", {}).get("meta_pkl", "")
-    return source
-
-
-def resumed_start(cfg, given, ckpt_path):
-    """The checkpoint a resumed run continues; its data, tokenizer and model become the run's."""
-    ckpt = load_checkpoint(ckpt_path)
-    saved = {**ckpt["config"], **ckpt["model_args"]}
-    for key in ("dataset", "tokenizer", "meta_pkl") + MODEL_KEYS:
-        if key in given and cfg[key] != saved.get(key, cfg[key]):
-            raise UsageError(f"--{key}={cfg[key]!r} contradicts {ckpt_path}, trained with "
-                             f"{key}={saved[key]!r}: drop the flag to resume, or train a new "
-                             "model in another --out_dir")
-        cfg[key] = saved.get(key, cfg[key])
-    if "data_dir" not in given:
-        cfg["data_dir"] = ckpt["config"].get("data_dir", cfg["data_dir"])
-    if ckpt["iter_num"] >= cfg["max_iters"]:
-        raise UsageError(f"{ckpt_path} is at iteration {ckpt['iter_num']}: give --max_iters "
-                         "above it to train on")
-    return ckpt
-
-
+# ----------------------------------------------------------------------------- processes
 def steps_per_process(steps, world):
     """Each of the world processes' share of the gradient accumulation steps (the whole run's)."""
     if steps % world:
@@ -209,7 +128,6 @@ def steps_per_process(steps, world):
     return steps // world
 
 
-# ----------------------------------------------------------------------------- processes
 def start_processes(cfg):
     """(ddp, rank, world, device) of this process: under torchrun (RANK set) one process per
     device, each with its share of the gradient accumulation steps."""
@@ -496,7 +414,7 @@ class Trainer:
 def main(argv=None):
     given = set()
     cfg = parse_args(config, argv, __doc__, given=given)
-    source = check_config(cfg, given)
+    source = check_config(cfg, given, RULES)
     run = Run(cfg, *start_processes(cfg))
     data, tokenizer, corpus = load_data(cfg, source, run)
     model, iter_num, ckpt_val = make_model(cfg, source, tokenizer, run.log)
