@@ -8,7 +8,7 @@ from .cli import UsageError, check
 from .nanogpt import import_nanogpt
 from .pretrained import find_gpt2_files
 
-# what a checkpoint's model is made of (its model_args)
+# train.py's flags that make the model (its vocabulary comes from the tokenizer)
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams",
               "n_msa_layers", "stream_loss_weight", "stream_targets", "stream_stride",
               "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
