@@ -110,12 +110,9 @@ class Sampler:
         leaves p as it is too."""
         if self.gen is None:
             return main_logits.argmax(-1)
-        V = main_logits.shape[-1]
-        rows = shape.cand_row.expand(main_logits.shape[:-1])  # the depth of each node's children
-        q = draft_probs.gather(-2, rows[..., None].expand(*rows.shape, V)).reshape(-1, V)
-        cand = ranked.gather(-2, rows[..., None].expand(*rows.shape, ranked.shape[-1]))  # child r
-        tries = shape.tries.expand(cand.shape).reshape(-1, cand.shape[-1])
-        cand = cand.reshape(-1, cand.shape[-1])
+        V, tries = main_logits.shape[-1], shape.tries
+        q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)  # q of each node's children
+        cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)  # child r
         p = p_target = self.probs(main_logits).reshape(-1, V)
         u = self.uniform("verify", cand)
         ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)

@@ -29,10 +29,10 @@ class TreeShape:
     window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
     the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
     out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
-    (B, n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row, the depth of q
-    its children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u.
-    gather (B, n-1): where each node after the root finds its token among the ranked
-    candidates, (depth - 1) * width + rank, or after them (drafts from the text)."""
+    (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
+    of q (of B * D) its children come from. What accept needs: path (B, n, D+1), the nodes
+    root..u, padded with u. gather (B, n-1): where each node after the root finds its token
+    among the ranked candidates, (depth - 1) * width + rank, or after them (lookup drafts)."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -50,9 +50,11 @@ class TreeShape:
         self.anc = anc & (self.depth > 0).unsqueeze(1)  # the root left out
         ones = (self.rank[:, 1:] >= 0).float()  # children drafted by q
         children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
-        self.tries = (torch.arange(width, device=sel.device) < children[..., None]).float()
+        self.tries = (torch.arange(width, device=sel.device) < children.view(-1, 1)).float()
         self.max_children = min(width, t.max_children)
-        self.cand_row = self.depth.clamp(max=max(n_streams, 1) - 1)
+        D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
+        row = torch.arange(B, device=sel.device)[:, None] * D
+        self.cand_row = (row + self.depth.clamp(max=D - 1)).flatten()
         self.window = attention_window(pass_mask(anc, n_streams), max_len, t.dtype)
 
 
