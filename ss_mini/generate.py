@@ -197,8 +197,7 @@ class Batch:
                                         self.draft_depth)
         index = torch.tensor(rows, device=cache.length.device)
         self.cache.put_rows(index, cache)
-        if drafts is not None:
-            self.drafts[index] = drafts
+        self.drafts[index] = drafts
         self.stats.passes += 1
         return logits
 

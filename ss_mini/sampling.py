@@ -111,25 +111,25 @@ class Sampler:
         if self.gen is None:
             return main_logits.argmax(-1)
         V, tries = main_logits.shape[-1], shape.tries
-        q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)  # q of each node's children
-        cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)  # child r
         p = p_target = self.probs(main_logits).reshape(-1, V)
-        u = self.uniform("verify", cand)
-        ys = torch.full_like(cand[:, :1], -1)  # -1: no child accepted (yet)
+        ys = torch.full_like(p[:, :1], -1, dtype=torch.long)  # -1: no child accepted (yet)
         if look is not None:  # a child from the text: a point mass, tried first
             has, y = look.reshape(-1, 1) >= 0, look.reshape(-1, 1).clamp_min(0)
             py = p.gather(1, y)
             ys = torch.where(has & (self.uniform("look", y) < py), y, ys)  # min(1, p(y) / 1)
             rest = p.scatter(1, y, 0.0) / (1 - py).clamp_min(1e-30)  # rejected: p without y
             p = p_target = torch.where(has, rest, p)  # what q's candidates then face
-            q = q.masked_fill(ys >= 0, 0.0)
+            tries = tries * (ys < 0)  # a node that accepted it tries no candidate of q
+        if shape.max_children:  # q of each node's children and its candidates (child r: cand[:, r])
+            q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)
+            cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)
+            u = self.uniform("verify", cand)
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
             accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # min(1, p/q); never if q = 0
             ys = torch.where(accept, x, ys)
-            # rejected: p becomes the residual norm(max(0, p - q)) (q = 0: p stays); x leaves q,
-            # renormalised; nodes that accepted are done
+            # rejected: p becomes norm(max(0, p - q)) (q = 0: p stays); x leaves q, renormalised
             p = (p - q).clamp_min_(0)
             if r + 1 < shape.max_children:
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)

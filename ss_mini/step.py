@@ -77,6 +77,8 @@ def forward_tree(model, cache, draft, tree):
     main_logits, stream_logits = model.forward_nodes(
         draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
         draft_depth=tree.draft_depth)
+    if stream_logits is None:  # a pass without streams drafts 0 depths (B, n, 0, V)
+        stream_logits = main_logits.unsqueeze(2)[:, :, :0]
     return draft, main_logits, stream_logits
 
 
@@ -148,7 +150,7 @@ def ar_step(model, cache, root, sampler, window):
 def prefill(model, contexts, draft_depth, cache_slots=None):
     """One pass over each row's context, right-padded to the longest (a row's padding comes
     after its tokens, where nothing real looks): (a new cache with these rows, the main logits
-    at each row's last token (B, V), its draft logits (B, D, V) or None if draft_depth = 0).
+    at each row's last token (B, V), its draft logits (B, D, V), D = 0 if draft_depth = 0).
     cache_slots: the new cache's size (None: the contexts and the last token's streams only,
     for rows that `KVCache.put_rows` copies into a batch's cache)."""
     w = model.lm_head.weight
@@ -163,5 +165,5 @@ def prefill(model, contexts, draft_depth, cache_slots=None):
         idx, torch.arange(n, device=w.device), cache.mask(window), cache=cache, stream_idx=last,
         draft_depth=draft_depth, main_idx=last)
     cache.advance(last[:, 0] + 1)
-    drafts = None if draft_logits is None else draft_logits[:, 0].contiguous()
+    drafts = main_logits[:, :0] if draft_logits is None else draft_logits[:, 0].contiguous()
     return cache, main_logits[:, 0], drafts

@@ -89,8 +89,8 @@ class Tree:
         batch size: builds the template once, and a Cartesian tree's shape per batch size."""
         if len(self) > MAX_NODES:
             raise ValueError(f"tree {self} has {len(self)} nodes; use at most {MAX_NODES}")
-        # the depths it drafts, so the streams a pass runs: at least one, to draft the next pass
-        draft_depth = max(1, min(self.max_depth, config.n_drafts))
+        # the depths it drafts, so the streams a pass runs (none: a tree without stream nodes)
+        draft_depth = min(self.max_depth, config.n_drafts)
         width = min(self.max_width, config.vocab_size)  # candidates ranked per depth
         device = torch.empty(0, device=device).device  # "cuda" is cuda:0: one device, one key
         key = (draft_depth, config.block_size, str(device), dtype, width)

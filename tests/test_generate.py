@@ -544,6 +544,21 @@ def test_tree_specs_with_a_lookup_branch():
             make_tree(spec, 4)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prompt_lookup_decoding_runs_no_streams(temperature):
+    """A tree without stream nodes ('L4': prompt-lookup decoding) uses no draft of the streams,
+    so neither its prefill nor its passes run them; greedy, it still decodes as plain decoding."""
+    model = random_model(seed=2, std=0.5)
+    depths, forward = [], model.forward_nodes
+    model.forward_nodes = lambda *a, **kw: depths.append(kw["draft_depth"]) or forward(*a, **kw)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    out, stats = generate_speculative(model, prompt, 40, make_tree("L4", 3),
+                                      temperature=temperature, seed=0)
+    assert set(depths) == {0} and len(depths) == stats.passes
+    if not temperature:
+        assert out == generate_ar(model, prompt, 40)[0]
+
+
 @pytest.mark.parametrize("spec", ["2,1,1", "n8"])
 def test_a_prompt_longer_than_block_size_is_one_prefill(spec):
     """A prompt longer than block_size keeps its last block_size // 2 tokens (with a warning), as

@@ -45,6 +45,8 @@ CASES = {  # name: (model, tree, decoding settings)
     "sampled lookup": (lambda: random_model(seed=1, std=0.4), "1,1+L3",
                        dict(temperature=1.0, seed=7)),
     "pruned lookup": (pruning_model, "2,1+L3", dict(prune_threshold=0.2)),
+    "prompt lookup alone": (lambda: random_model(seed=2, std=0.4), "L4",
+                            dict(temperature=1.0, seed=3)),
 }
 
 

@@ -112,9 +112,8 @@ def record(step, decode):
     if probs is None:
         probs = torch.softmax(step["draft_logits"].float(), dim=-1)
     # drafts from the text (rank -1, extras/lookup.py) have no q: a point mass
-    depths = torch.tensor(drafted.depths[1:], device=probs.device).clamp(max=len(probs))
-    q_prob = [None] + [q if r >= 0 else None for q, r in zip(
-        probs[depths - 1, step["drafted_tokens"][1:]].tolist(), drafted.ranks[1:])]
+    q_prob = [None] + [probs[d - 1, t].item() if r >= 0 else None
+                       for d, t, r in zip(drafted.depths[1:], tokens[1:], drafted.ranks[1:])]
     source = sources(drafted, tokens)
     emitted = [None] * drafted.n_nodes
     for i, u in enumerate(kept):
