@@ -348,7 +348,7 @@ def compiled_report(model, run, cfg, device, dtype, log):
 
 def pruning_report(model, prompts, tree, kw, thr, log):
     """Plain, speculative and pruned speculative decoding, interleaved (--prune_threshold)."""
-    g = model.config.n_streams
+    g = model.streams_in_pass(tree.draft_depth)
     ar, ss, sp = run_interleaved(prompts, [
         lambda p: generate_ar(model, p, **kw),
         lambda p: generate_speculative(model, p, tree=tree, **kw),

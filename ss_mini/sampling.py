@@ -99,7 +99,7 @@ class Sampler:
         """The token the target emits at each node (..., n_nodes): argmax, or speculative
         sampling (recursive rejection over the node's children; see the class docstring, and
         tests/test_generate.py `verify_reference` for the same rule one node at a time).
-        main_logits (..., n_nodes, V); draft_probs, ranked: from `draft`; look (..., n_nodes):
+        main_logits (B, n_nodes, V), the shape's nodes; draft_probs, ranked: from `draft`; look:
         the token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
 
         Vectorised over the nodes of every row: in round r every node that has an (r+1)-th

@@ -71,14 +71,12 @@ def forward_tree(model, cache, draft, tree):
     """Phase 2: one pass over every node at position L + depth, each carrying the streams of
     the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its last position:
     verify never accepts them. Returns (the draft it ran, main logits (B, n, V), every node's
-    stream logits (B, n, D, V)); parallel tree pruning runs fewer nodes (extras/pruning.py)."""
+    stream logits (B, n, D, V) or None if D = 0); pruning runs fewer nodes (extras/pruning.py)."""
     positions = cache.length.unsqueeze(1) + draft.shape.depth
     positions = positions.clamp(max=model.config.block_size - 1)
     main_logits, stream_logits = model.forward_nodes(
         draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
         draft_depth=tree.draft_depth)
-    if stream_logits is None:  # a pass without streams drafts 0 depths (B, n, 0, V)
-        stream_logits = main_logits.unsqueeze(2)[:, :, :0]
     return draft, main_logits, stream_logits
 
 
@@ -111,7 +109,8 @@ def accept(cache, draft, verified, stream_logits, tree):
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
         cache.accept(path, n_accepted)
         emitted = verified.targets.gather(1, path)
-    next_drafts = stream_logits.flatten(0, 1).index_select(0, last)
+    next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) as before
+                   else stream_logits.flatten(0, 1).index_select(0, last))
     return Step(n_accepted, emitted, verified.targets.take(last), next_drafts,
                 draft.shape.n_nodes)
 

@@ -12,7 +12,8 @@ parents first, and at each step a choice of n of them per row:
 - `LookupTree(ks, m)` (extras/lookup.py): `ks` plus a chain of m tokens from the decoded
   text under the root, its nodes of rank -1 (not a rank of q).
 A shape (`TreeShape`) is tensors, never read by the host. A tree bound to a model drafts
-`draft_depth` depths (its depth, at most gamma): its passes run that many streams.
+`draft_depth` depths (its stream nodes' depth, at most gamma; 0 for a lookup chain alone),
+and its passes run that many streams.
 """
 import math
 
@@ -30,9 +31,9 @@ class TreeShape:
     the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
     out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
     (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
-    of q (of B * D) its children come from. What accept needs: path (B, n, D+1), the nodes
-    root..u, padded with u. gather (B, n-1): where each node after the root finds its token
-    among the ranked candidates, (depth - 1) * width + rank, or after them (lookup drafts)."""
+    of the drafts (B * depths drafted) its children come from. What accept needs: path
+    (B, n, D+1), the nodes root..u, padded with u. gather (B, n-1): where nodes 1..n-1 find
+    their tokens, (depth - 1) * width + rank among the ranked candidates, or past them (lookup)."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape

@@ -592,7 +592,7 @@ def test_stops_at_end_of_text():
     assert ar_eot == ss_eot == ar[:ar.index(eot)]
 
 
-@pytest.mark.parametrize("spec", ["3,2,1", "n16"])
+@pytest.mark.parametrize("spec", ["3,2,1", "n16", "L4"])  # L4: a tree that runs no streams
 def test_tree_pruning(spec):
     from ss_mini.extras.pruning import pruned_step
     model = random_model(seed=5, std=0.4, prune_adapter_rank=4)
