@@ -24,7 +24,6 @@ range, the tree and the decoding mode; the details follow. The metrics (tokens/s
 tau, CR, speedup, efficiency, repeat rate, median and range) are defined in
 ss_mini/lab/measure.py.
 """
-import dataclasses
 import json
 import os
 import statistics
@@ -39,15 +38,14 @@ from ss_mini.io.checkpoint import load_model
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
                             pick_dtype, warn_unused)
 from ss_mini.io.data import describe_fingerprint
-from ss_mini.extras import build_model
 from ss_mini.extras.pruning import pruned_step
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.lab.compare import compare, describe
 from ss_mini.lab.measure import (compiled_steps, machine, over_runs, plain, run_interleaved,
-                                 run_pair, speculative, summarize, synchronize, threads,
+                                 run_pair, speculative, summarize, threads,
                                  tree_spec, unreliable)
 from ss_mini.lab.report import suite_markdown
-from ss_mini.lab.step_cost import profile, roofline, step_costs
+from ss_mini.lab.step_cost import profile, roofline, step_costs, train_bench
 from ss_mini.lab.suite import suite
 from ss_mini.extras.budget_tree import make_tree
 from ss_mini.extras.lookup import LookupTree
@@ -125,36 +123,6 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
 NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost",
                   "compile", "prune_threshold", "train_steps", "batch_size",
                   "batch_sweep")  # --suite sets these per row
-
-
-def train_bench(ckpt, device, steps, log):
-    """ms/iter of the checkpoint's training config with its drafter and without (plain GPT)."""
-    from ss_mini.io.checkpoint import model_config
-    tcfg, res = ckpt["config"], {}
-    for name in ("drafter", "plain"):
-        config = model_config(ckpt["model_args"])
-        if name == "plain":  # a new config, so that GPTConfig checks it
-            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0,
-                                         prune_adapter_rank=0)
-        torch.manual_seed(0)
-        model = build_model(config).to(device)
-        opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
-        x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size),
-                          device=device)
-        times = []
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            _, _, losses = model(x, x)
-            losses["loss"].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
-        res[name] = 1000 * statistics.median(times[2:])
-    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} "
-        f"ms/iter with the drafter, {res['plain']:.0f} ms/iter without "
-        f"({res['drafter'] / res['plain']:.2f}x)")
-    return {"train_ms_per_iter_streams": res["drafter"], "train_ms_per_iter_plain": res["plain"]}
 
 
 def tree_name(tree):

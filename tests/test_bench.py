@@ -11,7 +11,7 @@ import torch
 
 import bench
 from conftest import fake_tree_search
-from ss_mini.lab import measure
+from ss_mini.lab import measure, step_cost
 from ss_mini.lab.measure import over_runs
 from ss_mini.lab.report import shell_quote
 
@@ -129,11 +129,11 @@ def test_timings_wait_for_the_device(monkeypatch):
     monkeypatch.setattr(measure, "synchronize", seen.append)
     measure.copy_bandwidth("cpu", mb=1, repeats=1)
     assert seen == ["cpu", "cpu"]
-    monkeypatch.setattr(bench, "synchronize", seen.append)
+    monkeypatch.setattr(step_cost, "synchronize", seen.append)
     args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=5, n_streams=1,
                 n_msa_layers=1)
-    bench.train_bench(dict(config=dict(batch_size=2, block_size=8), model_args=args), "cpu", 1,
-                      lambda *a: None)
+    step_cost.train_bench(dict(config=dict(batch_size=2, block_size=8), model_args=args), "cpu",
+                          1, lambda *a: None)
     assert seen[2:] == ["cpu"] * 6  # 3 steps (2 warm-up) of 2 models
 
 

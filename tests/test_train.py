@@ -265,11 +265,12 @@ def test_bench_json(tiny_ckpt):
                for line in report)
 
 
-def test_bench_keeps_calibration_prompts_apart(tmp_path):
+def test_bench_keeps_calibration_prompts_apart(tmp_path, monkeypatch):
     """--prompts=FILE: the first num_prompts // 3 prompts tune the tree, the rest are reported;
     a file with no more than that is used for both (and bench says so)."""
     import json
     import bench
+    from ss_mini.lab import tree_choice
     from ss_mini.lab.tree_choice import pick_prompts
 
     class Tok:
@@ -284,6 +285,13 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path):
     path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
     prompts, calibration = pick_prompts(cfg, None, Tok)
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
+    # held-out snippets: num_prompts reported, num_prompts // 3 (at least 2) apart to calibrate
+    monkeypatch.setattr(tree_choice, "validation_prompts", lambda ckpt, tok, n, length:
+                        [[i] for i in range(n)])
+    for n, want in ((12, [[3], [7], [11], [15]]), (1, [[0], [2]]), (5, [[2], [6]])):
+        prompts, calibration = pick_prompts(dict(cfg, prompts="", num_prompts=n), None, Tok)
+        assert calibration == want and len(prompts) == n and not set(map(tuple, prompts)) & set(
+            map(tuple, calibration))
 
 
 def test_tree_search_takes_turns_on_each_prompt(monkeypatch):

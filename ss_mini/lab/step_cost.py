@@ -1,20 +1,24 @@
 """What one speculative step costs, and where its time goes: a cProfile split of whole decodes
 (`bench.py --profile`), a step over n nodes in autoregressive steps with its bandwidth
 (`bench.py --pass_cost`), and the bytes a step reads against this machine's copy bandwidth
-(the report's roofline line, "the roof: ...")."""
+(the report's roofline line, "the roof: ..."); and what a training step costs with the drafter
+and without (`bench.py --train_steps`)."""
 import cProfile
+import dataclasses
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 
 from ..extras import build_model
 from ..generate import generate_speculative
-from ..io.checkpoint import load_model
+from ..io.checkpoint import load_model, model_config
 from ..io.cli import UsageError
 from ..model import GPTConfig
 from .compare import describe
-from .measure import copy_bandwidth, pass_cost, step_bytes, threads
+from .measure import copy_bandwidth, pass_cost, step_bytes, synchronize, threads
 from .tree_choice import validation_prompts
 
 
@@ -143,3 +147,32 @@ def roofline(model, rows, device, dtype, ms_per_pass):
                         f"({use[name]:.0%} of it)" for name, ms in ms_per_pass.items()))
     return dict(step_bytes=nbytes, copy_bandwidth_gb_s=roof / 1e9, bandwidth_utilisation=use,
                 line=line)
+
+
+def train_bench(ckpt, device, steps, log):
+    """ms/iter of the checkpoint's training config with its drafter and without (plain GPT)."""
+    tcfg, res = ckpt["config"], {}
+    for name in ("drafter", "plain"):
+        config = model_config(ckpt["model_args"])
+        if name == "plain":  # a new config, so that GPTConfig checks it
+            config = dataclasses.replace(config, n_streams=0, n_medusa_heads=0,
+                                         prune_adapter_rank=0)
+        torch.manual_seed(0)
+        model = build_model(config).to(device)
+        opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
+        x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size),
+                          device=device)
+        times = []
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            _, _, losses = model(x, x)
+            losses["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        res[name] = 1000 * statistics.median(times[2:])
+    log(f"training, batch {tcfg['batch_size']} x {tcfg['block_size']}: {res['drafter']:.0f} "
+        f"ms/iter with the drafter, {res['plain']:.0f} ms/iter without "
+        f"({res['drafter'] / res['plain']:.2f}x)")
+    return {"train_ms_per_iter_streams": res["drafter"], "train_ms_per_iter_plain": res["plain"]}

@@ -52,7 +52,8 @@ def file_prompts(path, tok):
 
 def pick_prompts(cfg, ckpt, tok):
     """(prompts, calibration prompts), disjoint, so that the reported prompts are not the ones
-    the tree search tuned on: held-out validation snippets where every 4th calibrates, or from
+    the tree search tuned on: held-out validation snippets, num_prompts // 3 of them (at least
+    2) spread evenly among the rest to calibrate (every 4th of the default 16), or from
     --prompts the first few calibrate and the rest are reported (a file with no more prompts
     than that calibrates on the prompts it reports; bench then says so)."""
     n_cal = max(2, cfg["num_prompts"] // 3)
@@ -62,9 +63,8 @@ def pick_prompts(cfg, ckpt, tok):
             return prompts[:cfg["num_prompts"]], prompts
         return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
     both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
-    prompts = [p for i, p in enumerate(both)
-               if not (i % 4 == 3 and i // 4 < n_cal)][:cfg["num_prompts"]]
-    return prompts, both[3::4][:n_cal]
+    cal = [len(both) * (k + 1) // n_cal - 1 for k in range(n_cal)]  # the last of each n_cal-th
+    return [p for i, p in enumerate(both) if i not in cal], [both[i] for i in cal]
 
 
 def decode_kwargs(cfg, tok):
