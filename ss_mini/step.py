@@ -109,7 +109,7 @@ def accept(cache, draft, verified, stream_logits, tree):
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
         cache.accept(path, n_accepted)
         emitted = verified.targets.gather(1, path)
-    next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) as before
+    next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) stays
                    else stream_logits.flatten(0, 1).index_select(0, last))
     return Step(n_accepted, emitted, verified.targets.take(last), next_drafts,
                 draft.shape.n_nodes)
