@@ -247,8 +247,8 @@ def lookup_report(runs, r, tree, log):
 def prompts_phrase(cfg, prompts):
     """'12 held-out prompts' (or the --prompts file's), with ', B at once' for a batch."""
     where = "held-out" if not cfg["prompts"] else cfg["prompts"]
-    B = cfg["batch_size"]
-    return f"{n_prompts(prompts)} {where} prompts" + (f", {B} at once" if B > 1 else "")
+    B, n = cfg["batch_size"], n_prompts(prompts)
+    return f"{n} {where} prompt{'s' * (n != 1)}" + (f", {B} at once" if B > 1 else "")
 
 
 def answer_lines(cfg, r, runs, tree, kw, n):
