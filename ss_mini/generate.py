@@ -3,11 +3,10 @@
 Both take one prompt or a batch of prompts of any lengths and return (new tokens, Stats).
 
 Greedy outputs are those of `generate_ar` token for token, up to float near-ties (a tree pass
-multiplies other shapes than a one-token pass; the tests check equality in float64), and a
-row of a batch decodes as it would alone. Sampled outputs follow plain sampling's
-distribution exactly; rows of a batch share one generator, so they match a lone decode in
-distribution, not draw for draw. Context longer than block_size: a full row is rebuilt from
-its last block_size // 2 tokens (one prefill pass), the same rule in both decoders.
+multiplies other shapes than a one-token pass; the tests check equality in float64), and a row
+of a batch decodes as it would alone. Sampled outputs follow plain sampling's distribution
+exactly; rows of a batch share one generator, so they match a lone decode in distribution only.
+A full row is rebuilt from its last block_size // 2 tokens (one prefill), in both decoders.
 """
 import time
 import warnings
@@ -27,8 +26,7 @@ class Stats:
     nodes: list = field(default_factory=list)  # tree nodes verified per decode pass
     seconds: float = 0.0
     row_seconds: list = field(default_factory=list)  # when each prompt's output was complete
-    # the batch at full strength: tokens, seconds and passes until a row finished with no prompt
-    # waiting for its place (one prompt alone: its whole decode)
+    # at full strength: until a row finished with no prompt waiting (a lone prompt: all its decode)
     full_tokens: int = 0
     full_seconds: float = 0.0
     full_passes: int = 0

@@ -8,13 +8,12 @@ class KVCache:
     device: a step never asks the host where to write), as gpt-fast keeps its cache.
 
     Row b holds its accepted tokens at slots 0..L[b]-1, with no padding before them (learned
-    absolute positions would make left padding wrong). A pass over R rows (nodes and their
-    stream rows) writes its keys and values at slots L[b].. of each row, and attention reads
-    all max_len slots through a mask that hides what a row must not see (`mask`): the shapes
-    never change from step to step. `accept` then keeps each row's own path at
-    L[b]..L[b]+a[b]-1; slots past a row's length hold stale values that the mask hides and
-    the next pass overwrites. Stream rows are never accepted: streams keep no cache of their
-    own (Eq. 2: they read the main stream's).
+    absolute positions would make left padding wrong). A pass over R rows (nodes and their stream
+    rows) writes its keys and values at slots L[b].. of each row, and attention reads all max_len
+    slots through a mask that hides what a row must not see (`mask`): the shapes never change from
+    step to step. `accept` then keeps each row's own path at L[b]..L[b]+a[b]-1; slots past a row's
+    length hold stale values that the mask hides and the next pass overwrites. Stream rows are
+    never accepted: streams keep no cache of their own (Eq. 2: they read the main stream's).
     """
 
     def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32):

@@ -1,13 +1,12 @@
 """A GPT-2 with speculative streams (Bhendawade et al., 2024, arXiv 2402.11131).
 
-The main stream is an ordinary causal GPT-2 (paper Eq. 1). After layer N - Ns (layers
-counted from 1) every main token M_t gets gamma extra tokens, its *speculative streams*
-S_{t,j} = M_t + P_j (Eq. 3), where P is the learned stream identifier embedding. In the
-top Ns layers, *multi-stream attention* (Eq. 2) lets stream j at t attend to the main
-stream at positions <= t and to streams 1..j at t; the main stream never attends to a
-stream, so its outputs do not depend on the streams at all. Every weight (blocks, final
-LayerNorm, LM head) is shared: S_{t,j} predicts x_{t+1+j} through the same head with
-which M_t predicts x_{t+1}. Training minimises Eq. 5 (`GPT.forward`).
+The main stream is an ordinary causal GPT-2 (paper Eq. 1). After layer N - Ns (layers counted
+from 1) every main token M_t gets gamma extra tokens, its *speculative streams* S_{t,j} = M_t + P_j
+(Eq. 3), where P is the learned stream identifier embedding. In the top Ns layers, *multi-stream
+attention* (Eq. 2) lets stream j at t attend to the main stream at positions <= t and to streams
+1..j at t; the main stream never attends to a stream, so its outputs do not depend on the streams
+at all. Every weight (blocks, final LayerNorm, LM head) is shared: S_{t,j} predicts x_{t+1+j}
+through the same head with which M_t predicts x_{t+1}. Training minimises Eq. 5 (`GPT.forward`).
 
 One forward serves training and decoding (`forward_nodes`): a set of main *nodes* (a chain
 when training, a tree draft when decoding) with the attention mask of masks.py, plus the

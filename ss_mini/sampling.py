@@ -30,26 +30,24 @@ def _race(weights, u):
 
 
 class Sampler:
-    """The sampling rule, in one place: the next token (`pick`), the ranked draft candidates
-    of each depth (`draft`) and the token the target emits at each tree node (`verify`).
+    """The sampling rule of both decoders: `pick`, `draft` and `verify` (the module docstring).
 
     Greedy (temperature 0): argmax everywhere; the candidates are the top-k tokens of q_j.
 
-    Sampling: speculative sampling on the tree (Leviathan et al. 2023, Chen et al. 2023;
-    several children per node: SpecInfer, Miao et al. 2023; drafts without replacement:
-    Jeon et al. 2024, "Recursive Speculative Decoding"). p is the target distribution at a
-    node and q the draft distribution of the depth below it, both after the same
-    temperature, top-k and top-p. The candidates of a depth are a sample from q without
-    replacement, in order (Gumbel-top-k); a node's children hold ranks 0..m-1 of it. At a
-    node the children are tried in rank order: child x is accepted with probability
-    min(1, p(x)/q(x)); on rejection p becomes the residual norm(max(0, p - q)) and x is
-    removed from q (renormalised), and the next child is tried; when none is left, the
-    token is drawn from the residual. Each round emits a token distributed as its p, so
-    the token at every node is distributed exactly as plain sampling's, whatever q is: the
-    method stays lossless, and a draft is accepted with probability about 1 - TV(p, q)
-    instead of p(x). A tree's shape must not depend on the sampled tokens, only on q
-    (tree.py): a shape chosen by the sample would bias it. All draws come from one
-    generator, in bulk, on the device (`uniform`).
+    Sampling: speculative sampling on the tree (Leviathan et al. 2023, Chen et al. 2023; several
+    children per node: SpecInfer, Miao et al. 2023; drafts without replacement: Jeon et al. 2024,
+    "Recursive Speculative Decoding"). p is the target distribution at a node and q the draft
+    distribution of the depth below it, both after the same temperature, top-k and top-p. The
+    candidates of a depth are a sample from q without replacement, in order (Gumbel-top-k); a
+    node's children hold ranks 0..m-1 of it. At a node the children are tried in rank order: child
+    x is accepted with probability min(1, p(x)/q(x)); on rejection p becomes the residual
+    norm(max(0, p - q)) and x is removed from q (renormalised), and the next child is tried; when
+    none is left, the token is drawn from the residual. Each round emits a token distributed as its
+    p, so the token at every node is distributed exactly as plain sampling's, whatever q is: the
+    method stays lossless, and a draft is accepted with probability about 1 - TV(p, q) instead of
+    p(x). A tree's shape must not depend on the sampled tokens, only on q (tree.py): a shape chosen
+    by the sample would bias it. All draws come from one generator, in bulk, on the device
+    (`uniform`).
     """
 
     def __init__(self, temperature, top_k, top_p, seed, device):
@@ -66,8 +64,8 @@ class Sampler:
         self.drawn = {}  # uniforms drawn ahead of a compiled step, by use
 
     def uniform(self, use, like):
-        """Uniform draws shaped like `like` for one use in a step ('pick', 'draft', 'verify',
-        'residual'): drawn now, or taken from `draw_ahead`."""
+        """Uniform draws shaped like `like` for one use in a step ('pick', 'draft', 'look',
+        'verify', 'residual'): drawn now, or taken from `draw_ahead`."""
         u = self.drawn.pop(use, None)
         return torch.rand(like.shape, generator=self.gen, device=like.device) if u is None else u
 
@@ -96,18 +94,16 @@ class Sampler:
         return torch.topk(keys, width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape, look=None):
-        """The token the target emits at each node (..., n_nodes): argmax, or speculative
-        sampling (recursive rejection over the node's children; see the class docstring, and
-        tests/test_generate.py `verify_reference` for the same rule one node at a time).
-        main_logits (B, n_nodes, V), the shape's nodes; draft_probs, ranked: from `draft`; look:
-        the token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
+        """The token the target emits at each node (B, n): argmax, or speculative sampling (the
+        class docstring; tests/test_generate.py `verify_reference`: one node at a time).
+        main_logits (B, n, V) at the shape's nodes; draft_probs, ranked: from `draft`; look: the
+        token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
 
-        Vectorised over the nodes of every row: in round r every node that has an (r+1)-th
-        child and has accepted none tries it; the others sit the round out with q = 0
-        (`shape.tries`), which leaves their p as it is. A candidate that was never drawn (q's
-        support smaller than the width: the race ranks tokens with q(x) = 0 last) comes after
-        every token of the support, so by its round q is all zero: it is never accepted and
-        leaves p as it is too."""
+        Vectorised over the nodes of every row: in round r every node that has an (r+1)-th child
+        and has accepted none tries it; the others sit the round out with q = 0 (`shape.tries`),
+        which leaves their p as it is. A candidate that was never drawn (q's support smaller than
+        the width: the race ranks tokens with q(x) = 0 last) comes after every token of the
+        support, so by its round q is all zero: it is never accepted and leaves p as it is too."""
         if self.gen is None:
             return main_logits.argmax(-1)
         V, tries = main_logits.shape[-1], shape.tries

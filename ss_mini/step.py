@@ -20,10 +20,9 @@ from .tree import TreeShape
 
 
 class Draft(NamedTuple):
-    """A tree draft in every row: tokens (B, n), the root first; its shape; the ranked
-    candidates of each depth (B, D, width); the draft logits (B, D, V) they came from and the
-    distributions sampled from them (None if greedy); when sampling with drafts from the text,
-    each node's twin and the token from the text it tries as a child (extras/lookup.py)."""
+    """A tree draft in every row: tokens (B, n), the root first; its shape; the ranked candidates
+    (B, D, width) from the draft logits (B, D, V) and, sampling, their distributions (else None);
+    sampling with drafts from the text: each node's twin and the text's token it tries first."""
     tokens: torch.Tensor
     shape: TreeShape
     ranked: torch.Tensor
@@ -70,13 +69,13 @@ def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
 def forward_tree(model, cache, draft, tree):
     """Phase 2: one pass over every node at position L + depth, each carrying the streams of
     the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its last position:
-    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), every node's
-    stream logits (B, n, D, V) or None if D = 0); pruning runs fewer nodes (extras/pruning.py)."""
+    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), stream logits
+    (B, m, D, V) of the m nodes with streams or None if D = 0); pruning runs fewer nodes."""
     positions = cache.length.unsqueeze(1) + draft.shape.depth
     positions = positions.clamp(max=model.config.block_size - 1)
     main_logits, stream_logits = model.forward_nodes(
         draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
-        draft_depth=tree.draft_depth)
+        stream_idx=draft.shape.stream_idx, draft_depth=tree.draft_depth)
     return draft, main_logits, stream_logits
 
 
@@ -99,7 +98,7 @@ def verify(draft, main_logits, sampler, depth_limit):
 
 def accept(cache, draft, verified, stream_logits, tree):
     """Phase 4: each row's path moves into its cache; its last node's target token is the next
-    root and its streams' logits (of stream_logits (B, n, D, V)) the next drafts. A chain's
+    root and its streams' logits (of stream_logits (B, m, D, V)) the next drafts. A chain's
     path of a nodes is its first a nodes, already in place in the cache and in the targets."""
     n_accepted, last = verified.n_accepted, verified.last
     if tree.is_chain:
@@ -109,8 +108,9 @@ def accept(cache, draft, verified, stream_logits, tree):
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
         cache.accept(path, n_accepted)
         emitted = verified.targets.gather(1, path)
+    row = last if draft.shape.stream_row is None else draft.shape.stream_row.take(last)
     next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) stays
-                   else stream_logits.flatten(0, 1).index_select(0, last))
+                   else stream_logits.flatten(0, 1).index_select(0, row))
     return Step(n_accepted, emitted, verified.targets.take(last), next_drafts,
                 draft.shape.n_nodes)
 
@@ -147,11 +147,10 @@ def ar_step(model, cache, root, sampler, window):
 
 @torch.no_grad()
 def prefill(model, contexts, draft_depth, cache_slots=None):
-    """One pass over each row's context, right-padded to the longest (a row's padding comes
-    after its tokens, where nothing real looks): (a new cache with these rows, the main logits
-    at each row's last token (B, V), its draft logits (B, D, V), D = 0 if draft_depth = 0).
-    cache_slots: the new cache's size (None: the contexts and the last token's streams only,
-    for rows that `KVCache.put_rows` copies into a batch's cache)."""
+    """One pass over each row's context, right-padded to the longest (padding comes after a row's
+    tokens, where nothing real looks): (a new cache with these rows, the main logits at each
+    row's last token (B, V), its draft logits (B, D, V), D = 0 if draft_depth = 0). cache_slots:
+    the new cache's size (None: the contexts and the last streams, for `KVCache.put_rows`)."""
     w = model.lm_head.weight
     B, n = len(contexts), max(map(len, contexts))
     idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in contexts], device=w.device)

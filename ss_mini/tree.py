@@ -10,7 +10,7 @@ parents first, and at each step a choice of n of them per row:
   1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
 - `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row;
 - `LookupTree(ks, m)` (extras/lookup.py): `ks` plus a chain of m tokens from the decoded
-  text under the root, its nodes of rank -1 (not a rank of q).
+  text under the root, its nodes of rank -1 (not a rank of q), which carry no streams.
 A shape (`TreeShape`) is tensors, never read by the host. A tree bound to a model drafts
 `draft_depth` depths (its stream nodes' depth, at most gamma; 0 for a lookup chain alone),
 and its passes run that many streams.
@@ -27,13 +27,15 @@ MAX_NODES = 256  # a pass carries n * (1 + gamma) rows; the paper's trees have t
 class TreeShape:
     """One step's tree in every row of a batch of B, as tensors on the device (n nodes, D the
     tree's depth). What the pass needs: depth (B, n), 0 for the root, j for a candidate of q_j;
-    window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
+    stream_idx (B, m), the nodes that carry streams (None: all; a draft from the text carries
+    none); window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
     the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
     out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
     (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
     of the drafts (B * depths drafted) its children come from. What accept needs: path
-    (B, n, D+1), the nodes root..u, padded with u. gather (B, n-1): where nodes 1..n-1 find
-    their tokens, (depth - 1) * width + rank among the ranked candidates, or past them (lookup)."""
+    (B, n, D+1), the nodes root..u, padded with u; stream_row (B * n), u's streams among the
+    B * m (None: u's own; the root's for a draft from the text). gather (B, n-1): where nodes
+    1..n-1 find their tokens, (depth - 1) * width + rank among the candidates, or past them."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -56,7 +58,13 @@ class TreeShape:
         D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
         row = torch.arange(B, device=sel.device)[:, None] * D
         self.cand_row = (row + self.depth.clamp(max=D - 1)).flatten()
-        self.window = attention_window(pass_mask(anc, n_streams), max_len, t.dtype)
+        self.stream_idx = self.stream_row = None
+        if n_streams and t.from_text:  # a shape made outside a step: it reads `carries` here
+            carries = self.rank >= 0  # the stream nodes, the root included
+            self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
+            own = (carries.cumsum(1) - 1) * carries  # its streams' row; the root's for the others
+            self.stream_row = (own + row // D * self.stream_idx.shape[1]).flatten()
+        self.window = attention_window(pass_mask(anc, n_streams, self.stream_idx), max_len, t.dtype)
 
 
 class Template:
@@ -73,6 +81,7 @@ class Template:
         D = max(depths)
         self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # ranks 0..m-1
         self.is_chain = parent[1:] == list(range(len(paths) - 1))  # a path is then a prefix
+        self.from_text = min(ranks) < 0
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # root..u
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
@@ -99,7 +108,7 @@ class Tree:
             self._key, self.draft_depth, self.width = key, draft_depth, width
             # the cache's slots: the accepted tokens, then a pass's rows
             self.max_len = config.block_size + len(self) * (1 + draft_depth)
-            paths = self.paths(min(self.max_depth, config.n_drafts), width)
+            paths = self.paths(draft_depth, width)
             self.template = Template(paths, width, draft_depth, device, dtype)
             self.is_chain = self.template.is_chain
             self.fixed = {}  # a Cartesian tree's one shape, per batch size

@@ -309,6 +309,33 @@ def test_the_lean_cache_computes_what_the_plain_cache_does(monkeypatch, spec, kw
             for (a, _), (b, _) in zip(plain, lean):
                 torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
+
+@pytest.mark.parametrize("path, moves", [([0, 1, 2, 3], False), ([0, 1, 4, 4], True),
+                                         ([0, 5, 6, 6], True)])
+def test_the_lean_cache_moves_nothing_for_a_path_in_place(monkeypatch, path, moves):
+    """An accepted path that is a prefix of the pass (a chain's, a lookup chain's: extras/
+    lookup.py puts it first) is in place in the cache: LeanKVCache only advances the lengths.
+    Another path moves as in KVCache; the caches end the same either way."""
+    model = random_model(seed=0)
+    caches = {}
+    for cls in (KVCache, LeanKVCache):
+        cache = cls(model.config, 24, 2, dtype=torch.float64)
+        for i, kv in enumerate(cache.kv):
+            kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(i)))
+        cache.length[:] = 5
+        cache.mask(ar_window(cache).expand(-1, -1, 8, -1))  # a pass of 8 rows: the lean path
+        caches[cls] = cache
+    moved, accept = [], KVCache.accept
+    monkeypatch.setattr(KVCache, "accept", lambda self, *a: moved.append(1) or accept(self, *a))
+    accepted = torch.tensor([3, 4])
+    for cache in caches.values():
+        cache.accept(torch.tensor([path, path]), accepted)
+    assert len(moved) == 1 + moves  # KVCache always, LeanKVCache when the path moves
+    plain, lean = caches[KVCache], caches[LeanKVCache]
+    assert torch.equal(plain.length, lean.length) and lean.length.tolist() == [8, 9]
+    for a, b in zip(plain.kv, lean.kv):
+        assert torch.equal(a, b)
+
 @pytest.mark.parametrize("prompts", [[[1, 2, 3], list(range(1, 11)), [4]], [[1, 2, 3], [4, 5, 6]],
                                      [[5, 6, 7, 8]]])
 def test_a_pass_sees_its_prefix_and_its_rows_only(monkeypatch, prompts):

@@ -744,18 +744,18 @@ def test_lookup_finds_the_latest_longest_match():
 
 
 def test_lookup_nodes_twin_the_stream_nodes_on_their_path():
-    """Tree 2,1+L3: stream nodes root, a, b (depth 1), a', b' (their children, depth 2), then
-    the lookup chain L1..L3. When the lookup drafts b, c, x and the streams b at depth 1 and c at
-    depth 2, L1 and L2 repeat the path root-b-c: they take the targets of b and of its child,
-    and the lookup's x is tried first under that child and under L2's twin path only."""
+    """Tree 2,1+L3: the root, the lookup chain L1..L3, then the stream nodes a, b (depth 1), a',
+    b' (their children, depth 2). When the lookup drafts b, c, x and the streams b at depth 1 and
+    c at depth 2, L1 and L2 repeat the path root-b-c: they take the targets of b and of its
+    child, and the lookup's x is tried first under that child and under L2's twin path only."""
     model = random_model(seed=0, n_streams=2)
     tree = make_tree("2,1+L3", 2).bind(model.config, "cpu", torch.float64)
     a, b, c, x, r = 5, 6, 7, 8, 1
-    tokens = torch.tensor([[r, a, b, c, c, b, c, x],  # b and c on the streams: twins
-                           [r, a, b, c, c, 9, c, x]])  # the lookup leaves the streams at once
+    tokens = torch.tensor([[r, b, c, x, a, b, c, c],  # b and c on the streams: twins
+                           [r, 9, c, x, a, b, c, c]])  # the lookup leaves the streams at once
     twin, look = tree.link(tokens)
-    assert twin.tolist() == [[0, 1, 2, 3, 4, 2, 4, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
-    assert look.tolist() == [[b, -1, c, -1, x, -1, -1, -1], [9, -1, -1, -1, -1, c, x, -1]]
+    assert twin.tolist() == [[0, 5, 7, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert look.tolist() == [[b, -1, -1, -1, -1, c, -1, x], [9, c, x, -1, -1, -1, -1, -1]]
 
 
 @pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])

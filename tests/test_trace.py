@@ -66,10 +66,10 @@ def traced(case, prompt=(1, 2, 3), n=60):
     used, steps = [], []
     top = model.forward_top
 
-    def forward_top(x, mask=None, stream_idx=None, *a, **k):  # tree passes run streams on all nodes
-        if stream_idx is None:
+    def forward_top(x, mask=None, stream_idx=None, cache=None, draft_depth=None, main_idx=None):
+        if main_idx is None:  # a tree pass wants the logits of every node, a prefill its last
             used.append(mask)
-        return top(x, mask, stream_idx, *a, **k)
+        return top(x, mask, stream_idx, cache, draft_depth, main_idx)
 
     model.forward_top = forward_top
     trace = Trace(decode, tree=spec)
@@ -146,7 +146,10 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
         assert torch.equal(dense_mask(p["mask"], L, p["mask_keys"]), mask[:, :keys] == 0)
         assert torch.isinf(mask[:, keys:]).all()
         n, g = len(p["kept"]), p["n_streams"]
-        assert mask.shape[0] == n * (1 + g) == p["mask_keys"]
+        assert mask.shape[0] == n + len(p["carriers"]) * g == p["mask_keys"]
+        if g:  # every node carries the streams but the drafts from the text (rank -1)
+            ranks = [p["nodes"][u]["rank"] for u in p["kept"]]
+            assert p["carriers"] == [i for i, r in enumerate(ranks) if r >= 0]
         # the drafted tree is the TreeShape the tree gives for these draft logits (and, when
         # sampling, the draft distribution that the candidates were drawn from)
         q, probs = step["q"][None], None if step["probs"] is None else step["probs"][None]

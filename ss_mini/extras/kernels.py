@@ -82,7 +82,8 @@ class LeanKVCache(KVCache):
     """KVCache for eager steps on a CPU, where reading the rows' lengths costs no synchronisation.
     While every row holds as many tokens L (one prompt: always), a pass writes its keys and values
     as a slice at L, and attention reads only the first slots, up to the pass's end rounded up to
-    SPAN, where KVCache gathers per row and reads every slot. The same values (tested); compiled
+    SPAN, where KVCache gathers per row and reads every slot; an accepted path that is a prefix
+    of the pass (the tokens are in place) moves nothing. The same values (tested); compiled
     steps, other devices and rows of different lengths take KVCache's path."""
 
     SPAN = 16  # slots read are a multiple of it, so a few views serve every pass
@@ -110,6 +111,13 @@ class LeanKVCache(KVCache):
         if (layer, span) not in self._views:
             self._views[layer, span] = self.kv[layer][:, :span].transpose(1, 3).unbind(2)
         return self._views[layer, span]
+
+    def accept(self, path, accepted):
+        if self._slice is not None:  # a path that is a prefix of the pass is in place already
+            rows = zip(path.tolist(), accepted.tolist())
+            if all(p[:a] == list(range(a)) for p, a in rows):
+                return self.advance(accepted)
+        super().accept(path, accepted)
 
     def advance(self, accepted):
         super().advance(accepted)

@@ -99,6 +99,6 @@ def pruned_forward(model, cache, draft, tree, threshold):
                 kv[:, L:L + len(kept)] = kv[:, L + k]
             h, tokens = h[:, k], tokens[:, k]
             draft = draft._replace(tokens=tokens, shape=shape)
-    main_logits, draft_logits = model.forward_top(h, cache.mask(shape.window), cache=cache,
-                                                  draft_depth=tree.draft_depth)
+    main_logits, draft_logits = model.forward_top(h, cache.mask(shape.window), shape.stream_idx,
+                                                  cache, tree.draft_depth)
     return draft, main_logits, draft_logits

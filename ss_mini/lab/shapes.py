@@ -4,7 +4,7 @@ import torch
 
 
 class HostShape:
-    """parents, depths, ranks and children of one row's nodes; `mask(L)`: the pass's mask over
+    """parents, depths, ranks, children and stream carriers of one row's nodes; `mask(L)`: the pass's mask over
     the cached prefix (its first L columns) and the pass's rows, as a bool tensor."""
 
     def __init__(self, shape, row=0):
@@ -12,6 +12,10 @@ class HostShape:
         self.parents = [-1] + shape.parent[row, 1:].tolist()
         self.depths = shape.depth[row].tolist()
         self.ranks = shape.rank[row].tolist()
+        # the nodes that carry streams, in the order of their stream rows (a draft from the text
+        # carries none)
+        self.streams = (list(range(self.n_nodes)) if shape.stream_idx is None
+                        else shape.stream_idx[min(row, shape.stream_idx.shape[0] - 1)].tolist())
         self.children = [[] for _ in range(self.n_nodes)]
         for u, p in enumerate(self.parents[1:], 1):
             self.children[p].append(u)

@@ -139,12 +139,13 @@ def record(step, decode):
                           status=status))
     g = step["draft_depth"]
     mask = shape.mask(L)
-    if mask.shape[0] != shape.n_nodes * (1 + g):
-        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes with {g} "
-                           "streams each")
+    if mask.shape[0] != shape.n_nodes + len(shape.streams) * g:
+        raise RuntimeError(f"a mask of {mask.shape[0]} rows for {shape.n_nodes} nodes, "
+                           f"{len(shape.streams)} of them with {g} streams")
     return dict(cache_length=L, root=tokens[0], nodes=nodes, path=path, next_root=step["next_root"],
                 next_root_text=decode([step["next_root"]]), accepted=len(path), kept=kept,
                 pruned=[u for u in range(drafted.n_nodes) if u not in alive], n_streams=g,
+                carriers=shape.streams,
                 mask=sparse_mask(mask, L), mask_keys=mask.shape[1] - L)
 
 
