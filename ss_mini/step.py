@@ -67,10 +67,10 @@ def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
 
 
 def forward_tree(model, cache, draft, tree):
-    """Phase 2: one pass over every node at position L + depth, each carrying the streams of
-    the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its last position:
-    verify never accepts them. Returns (the draft it ran, main logits (B, n, V), stream logits
-    (B, m, D, V) of the m nodes with streams or None if D = 0); pruning runs fewer nodes."""
+    """Phase 2: one pass over every node at position L + depth, each (but a draft from the text)
+    with the streams of the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its
+    last position: verify never accepts them. Returns (the draft it ran, main logits (B, n, V),
+    stream logits (B, m, D, V) of the m nodes with streams, or None if D = 0)."""
     positions = cache.length.unsqueeze(1) + draft.shape.depth
     positions = positions.clamp(max=model.config.block_size - 1)
     main_logits, stream_logits = model.forward_nodes(

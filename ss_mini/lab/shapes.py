@@ -4,8 +4,9 @@ import torch
 
 
 class HostShape:
-    """parents, depths, ranks, children and stream carriers of one row's nodes; `mask(L)`: the pass's mask over
-    the cached prefix (its first L columns) and the pass's rows, as a bool tensor."""
+    """parents, depths, ranks, children and stream carriers of one row's nodes; `mask(L)`: the
+    pass's mask over the cached prefix (its first L columns) and the pass's rows, as a bool
+    tensor."""
 
     def __init__(self, shape, row=0):
         self.n_nodes = shape.n_nodes
