@@ -106,8 +106,7 @@ class Batch:
         self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens
         self.out = [[] for _ in prompts]
         self.started = [self.t0] * len(prompts)  # when each prompt took a row
-        self.done = set()  # prompts whose output is complete
-        self.emitted = 0  # tokens emitted so far (end-of-text not counted)
+        self.done, self.emitted = set(), 0  # prompts complete; tokens emitted (not end-of-text)
         n = min(max_rows or len(prompts), len(prompts))
         self.rows, self.queue = list(range(n)), list(range(n, len(prompts)))  # prompt of each row
         self.last_token = [None] * n  # each row's root: its last token, cached by the next pass

@@ -29,8 +29,7 @@ def pass_mask(anc, n_streams, stream_idx=None):
     anc (B, n, n): `tree_mask` of each row's nodes; stream_idx (B, m): the nodes that carry
     streams (None = all n). Rows and keys are [n main nodes; stream (u, j) for each such
     node u and j = 1..n_streams], R = n + m * n_streams."""
-    B, n, _ = anc.shape
-    g = n_streams
+    (B, n, _), g = anc.shape, n_streams
     if not g:
         return anc
     node = anc if stream_idx is None else anc.gather(1, stream_idx[..., None].expand(-1, -1, n))

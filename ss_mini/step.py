@@ -4,10 +4,10 @@
   1. `draft_tree`: the root (the next token, decided) and candidates from the streams of the
      last accepted token, placed into the tree (tree.py);
   2. `forward_tree`: one pass over the tree: the main stream verifies every node, the streams
-     of every node draft for the next step (model.py, masks.py);
+     of every node but a draft from the text draft for the next step (model.py, masks.py);
   3. `verify`: the target's token at every node (sampling.py) and each row's accepted path;
   4. `accept`: each row keeps its path in its cache (kvcache.py); the streams of the path's
-     last node are the next drafts.
+     last node (its root's for a draft from the text) are the next drafts.
 No host reads, no shapes that change from step to step: one compiled graph serves every step
 (extras/compile.py). `ar_step` is the baseline's step, `prefill` the pass over a prompt.
 """
@@ -67,7 +67,7 @@ def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
 
 
 def forward_tree(model, cache, draft, tree):
-    """Phase 2: one pass over every node at position L + depth, each (but a draft from the text)
+    """Phase 2: one pass over every node at position L + depth, each, except a draft from the text,
     with the streams of the depths the tree drafts (Eq. 2, 3). Nodes past block_size take its
     last position: verify never accepts them. Returns (the draft it ran, main logits (B, n, V),
     stream logits (B, m, D, V) of the m nodes with streams, or None if D = 0)."""
@@ -81,10 +81,10 @@ def forward_tree(model, cache, draft, tree):
 
 def verify(draft, main_logits, sampler, depth_limit):
     """Phase 3: the target's token at every node, and each row's accepted path. A node is
-    accepted when every node on its path holds the token its parent emitted and it lies
-    within depth_limit (B,); children hold distinct tokens (a twin from the text repeats a
-    stream node's: extras/lookup.py), so one path of tokens is accepted. shape.anc leaves the
-    root out: always accepted, it is compared with its own target too."""
+    accepted when every node on its path holds the token its parent emitted and it lies within
+    depth_limit (B,); children hold distinct tokens, so one path of tokens is accepted, and its
+    deepest node ends it (a twin from the text gives way to its stream node, whose streams ran:
+    extras/lookup.py). shape.anc leaves out the root: always accepted, it meets its own target."""
     shape = draft.shape
     targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape, draft.look)
     if draft.twin is not None:  # one draw per path of tokens (extras/lookup.py)
@@ -92,13 +92,14 @@ def verify(draft, main_logits, sampler, depth_limit):
     miss = draft.tokens != targets.gather(1, shape.parent)
     miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
-    last = n_accepted.argmax(1) + shape.first_node  # the deepest accepted node ends the path
+    key = n_accepted if shape.carries is None else 2 * n_accepted + shape.carries  # a tie: streams
+    last = key.argmax(1) + shape.first_node
     return Verified(targets, n_accepted.take(last), last)
 
 
 def accept(cache, draft, verified, stream_logits, tree):
     """Phase 4: each row's path moves into its cache; its last node's target token is the next
-    root and its streams' logits (of stream_logits (B, m, D, V)) the next drafts. A chain's
+    root and its streams' logits (its root's for a draft from the text) the next drafts. A chain's
     path of a nodes is its first a nodes, already in place in the cache and in the targets."""
     n_accepted, last = verified.n_accepted, verified.last
     if tree.is_chain:

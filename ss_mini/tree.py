@@ -21,7 +21,7 @@ import torch
 
 from .masks import attention_window, pass_mask, tree_mask
 
-MAX_NODES = 256  # a pass carries n * (1 + gamma) rows; the paper's trees have tens of nodes
+MAX_NODES = 256  # a pass carries up to n * (1 + gamma) rows; the paper's trees have tens of nodes
 
 
 class TreeShape:
@@ -29,13 +29,14 @@ class TreeShape:
     tree's depth). What the pass needs: depth (B, n), 0 for the root, j for a candidate of q_j;
     stream_idx (B, m), the nodes that carry streams (None: all; a draft from the text carries
     none); window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
-    the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left
-    out (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
-    (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
-    of the drafts (B * depths drafted) its children come from. What accept needs: path
-    (B, n, D+1), the nodes root..u, padded with u; stream_row (B * n), u's streams among the
-    B * m (None: u's own; the root's for a draft from the text). gather (B, n-1): where nodes
-    1..n-1 find their tokens, (depth - 1) * width + rank among the candidates, or past them."""
+    the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left out
+    (always accepted); path_length (B, n) = depth + 1; carries (B, n), the nodes with streams
+    (None: all); and for speculative sampling tries (B * n, width), 1.0 where node u has an
+    (r+1)-th child from q, and cand_row (B * n), the row of the drafts (B * depths drafted) its
+    children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u;
+    stream_row (B * n), whose streams draft after u among the B * m: u's, its root's for a draft
+    from the text (None: u's). gather (B, n-1): where nodes 1..n-1 find their tokens, (depth - 1) *
+    width + rank among the candidates, or past them."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -58,12 +59,12 @@ class TreeShape:
         D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
         row = torch.arange(B, device=sel.device)[:, None] * D
         self.cand_row = (row + self.depth.clamp(max=D - 1)).flatten()
-        self.stream_idx = self.stream_row = None
-        if n_streams and t.from_text:  # a shape made outside a step: it reads `carries` here
-            carries = self.rank >= 0  # the stream nodes, the root included
+        self.stream_idx = self.stream_row = self.carries = None  # every node carries streams
+        if n_streams and t.from_text:  # a LookupTree's fixed shape: `carries` is read on the host
+            self.carries = carries = self.rank >= 0  # the root and the stream nodes
             self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
-            own = (carries.cumsum(1) - 1) * carries  # its streams' row; the root's for the others
-            self.stream_row = (own + row // D * self.stream_idx.shape[1]).flatten()
+            local = (carries.cumsum(1) - 1) * carries  # among its row's; 0 (the root's) if none
+            self.stream_row = (local + row // D * self.stream_idx.shape[1]).flatten()
         self.window = attention_window(pass_mask(anc, n_streams, self.stream_idx), max_len, t.dtype)
 
 

@@ -758,6 +758,32 @@ def test_lookup_nodes_twin_the_stream_nodes_on_their_path():
     assert look.tolist() == [[b, -1, -1, -1, -1, c, -1, x], [9, c, x, -1, -1, -1, -1, -1]]
 
 
+def test_drafts_from_the_text_carry_no_streams_and_give_way_to_their_twins():
+    """Tree 1+L3: the root, the lookup chain L1..L3, then the stream node s. Only the root and s
+    carry streams. When L1 and s hold the same token, the one the root's target emits, and L2 is
+    rejected, both paths are 2 nodes deep: s ends the path, and its streams draft the next step;
+    a path that ends in the chain takes the root's."""
+    from ss_mini.step import Draft, accept, verify
+    model = random_model(seed=0, n_streams=2)
+    tree = make_tree("1+L3", 2).bind(model.config, "cpu", torch.float64)
+    shape, V = tree.shape_for(1), model.config.vocab_size
+    assert shape.stream_idx.tolist() == [[0, 4]] and shape.stream_row.tolist() == [0, 0, 0, 0, 1]
+    r, a, b, c = 1, 2, 3, 4
+    main_logits = torch.zeros(1, 5, V, dtype=torch.float64)
+    for node, target in enumerate([a, b, c, c, b]):
+        main_logits[0, node, target] = 1.0
+    stream_logits = torch.arange(2.0, dtype=torch.float64).view(1, 2, 1, 1).expand(1, 2, 1, V)
+    for tokens, last, drafts_of in (([r, a, c, c, a], 4, 1),  # L2 rejected: s and L1 tie
+                                    ([r, a, b, a, 9], 2, 0)):  # the chain to L2: the root's
+        draft = Draft(torch.tensor([tokens]), shape, None, None, None)
+        sampler = Sampler(0.0, None, None, None, "cpu")
+        verified = verify(draft, main_logits, sampler, torch.tensor([99]))
+        assert int(verified.last[0]) == last
+        cache = KVCache(model.config, tree.max_len, 1, dtype=torch.float64)
+        step = accept(cache, draft, verified, stream_logits, tree)
+        assert torch.equal(step.draft_logits, stream_logits[:, drafts_of])
+
+
 @pytest.mark.parametrize("kw", SAMPLING, ids=["T1", "top_k", "top_p"])
 def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
     """50,000 nodes, each with 0 to 2 children drawn from q and a token from the text (any token,

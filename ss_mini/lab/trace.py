@@ -216,7 +216,7 @@ class Trace:
             if start < len(output):
                 chunks.append({"pass": k, "text": self.decode(output[start:start + p["accepted"]])})
             start += p["accepted"]
-        self.data = dict(version=1, settings=self.settings, prompt=self.decode(list(prompt)),
+        self.data = dict(version=2, settings=self.settings, prompt=self.decode(list(prompt)),
                          output=output, chunks=chunks, passes=self.passes,
                          summary=summary(self.passes))
         return self.data
