@@ -5,8 +5,9 @@ o_theta on the main stream followed by the final LayerNorm and the shared LM hea
 an *early* next-token distribution at every node, hence an early transition probability
 parent -> child for every edge of the tree. Nodes whose transition probability is below
 a threshold are dropped with their subtrees, so the top Ns layers, where every node (but a
-draft from the text) also carries gamma stream rows, process fewer tokens. Pruning only removes drafts: the
-verified output is unchanged. The adapter is trained with the next-token loss.
+draft from the text) also carries gamma stream rows, process fewer tokens. Pruning only
+removes drafts: the verified output is unchanged. The adapter is trained with the next-token
+loss.
 """
 import functools
 
