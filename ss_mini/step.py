@@ -92,7 +92,7 @@ def verify(draft, main_logits, sampler, depth_limit):
     miss = draft.tokens != targets.gather(1, shape.parent)
     miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
-    key = n_accepted if shape.carries is None else 2 * n_accepted + shape.carries  # a tie: streams
+    key = n_accepted if shape.carries is None else 2 * n_accepted + shape.carries  # ties: streams
     last = key.argmax(1) + shape.first_node
     return Verified(targets, n_accepted.take(last), last)
 

@@ -35,8 +35,8 @@ class TreeShape:
     (r+1)-th child from q, and cand_row (B * n), the row of the drafts (B * depths drafted) its
     children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u;
     stream_row (B * n), whose streams draft after u among the B * m: u's, its root's for a draft
-    from the text (None: u's). gather (B, n-1): where nodes 1..n-1 find their tokens, (depth - 1) *
-    width + rank among the candidates, or past them."""
+    from the text (None: u's). gather (B, n-1): where nodes 1..n-1 find their tokens,
+    (depth - 1) * width + rank among the candidates, or past them."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -57,14 +57,14 @@ class TreeShape:
         self.tries = (torch.arange(width, device=sel.device) < children.view(-1, 1)).float()
         self.max_children = min(width, t.max_children)
         D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
-        row = torch.arange(B, device=sel.device)[:, None] * D
-        self.cand_row = (row + self.depth.clamp(max=D - 1)).flatten()
+        rows = torch.arange(B, device=sel.device)[:, None]
+        self.cand_row = (rows * D + self.depth.clamp(max=D - 1)).flatten()
         self.stream_idx = self.stream_row = self.carries = None  # every node carries streams
         if n_streams and t.from_text:  # a LookupTree's fixed shape: `carries` is read on the host
             self.carries = carries = self.rank >= 0  # the root and the stream nodes
             self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
-            local = (carries.cumsum(1) - 1) * carries  # among its row's; 0 (the root's) if none
-            self.stream_row = (local + row // D * self.stream_idx.shape[1]).flatten()
+            local = (carries.cumsum(1) - 1) * carries  # in its row: its own, or the root's (0)
+            self.stream_row = (rows * self.stream_idx.shape[1] + local).flatten()
         self.window = attention_window(pass_mask(anc, n_streams, self.stream_idx), max_len, t.dtype)
 
 
@@ -82,7 +82,7 @@ class Template:
         D = max(depths)
         self.max_children = max([r + 1 for r in ranks[1:]], default=0)  # ranks 0..m-1
         self.is_chain = parent[1:] == list(range(len(paths) - 1))  # a path is then a prefix
-        self.from_text = min(ranks) < 0
+        self.from_text = min(ranks) < 0  # drafts from the text, rank -1
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # root..u
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
