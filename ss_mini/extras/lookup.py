@@ -54,15 +54,14 @@ class LookupTree(CartesianTree):
         else:  # no stream nodes: the root and the chain
             self.ks, self.n_nodes, self.max_width, self.max_depth = (), 1, 1, 0
         self.lookup_length = self.chain = int(length)
-        self.n_stream_nodes = self.n_nodes  # the root included
         self.n_nodes += self.chain
 
     def bind(self, config, device, dtype, batch_size=1):
         super().bind(config, device, dtype, batch_size)
-        t, s, m = self.template, self.n_stream_nodes, self.chain
+        t, m = self.template, self.chain
         if getattr(self, "_linked", None) is not t:  # once per template
             self._linked = t
-            self.stream_nodes = torch.tensor([0, *range(m + 1, m + s)], device=t.depth.device)
+            self.stream_nodes = (t.rank >= 0).nonzero().flatten()  # the root included
             self.stream_anc = t.anc[self.stream_nodes][:, self.stream_nodes]
             self.stream_depth = t.depth[self.stream_nodes]
             self.at_depth = self.stream_depth[:, None] == torch.arange(1, m + 1,
