@@ -72,7 +72,7 @@ class Sampler:
     def draw_ahead(self, **shapes):
         """The draws of the next step, made before it: a compiled step cannot call the generator."""
         if self.gen is not None:
-            self.drawn = {use: torch.rand(shape, generator=self.gen, device=self.gen.device)
+            self.drawn = {use: torch.rand(*shape, generator=self.gen, device=self.gen.device)
                           for use, shape in shapes.items()}
 
     def probs(self, logits):
@@ -108,14 +108,13 @@ class Sampler:
             return main_logits.argmax(-1)
         V, tries = main_logits.shape[-1], shape.tries
         p = p_target = self.probs(main_logits).reshape(-1, V)
-        ys = torch.full_like(p[:, :1], -1, dtype=torch.long)  # -1: no child accepted (yet)
+        tried = []  # (accepted, token) of each try in order: a node emits its first accepted
         if look is not None:  # a child from the text: a point mass, tried first
             has, y = look.reshape(-1, 1) >= 0, look.reshape(-1, 1).clamp_min(0)
             py = p.gather(1, y)
-            ys = torch.where(has & (self.uniform("look", y) < py), y, ys)  # min(1, p(y) / 1)
+            tried.append((has & (self.uniform("look", y) < py), y))  # min(1, p(y) / 1)
             rest = p.scatter(1, y, 0.0) / (1 - py).clamp_min(1e-30)  # rejected: p without y
             p = p_target = torch.where(has, rest, p)  # what q's candidates then face
-            tries = tries * (ys < 0)  # a node that accepted it tries no candidate of q
         if shape.max_children:  # q of each node's children and its candidates (child r: cand[:, r])
             q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)
             cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)
@@ -123,15 +122,16 @@ class Sampler:
         for r in range(shape.max_children):
             x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
-            accept = u[:, r:r + 1] * qx < torch.minimum(px, qx)  # min(1, p/q); never if q = 0
-            ys = torch.where(accept, x, ys)
+            tried.append((u[:, r:r + 1] * qx < torch.minimum(px, qx), x))  # never if q = 0
             # rejected: p becomes norm(max(0, p - q)) (q = 0: p stays); x leaves q, renormalised
             p = (p - q).clamp_min_(0)
             if r + 1 < shape.max_children:
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
-                q = (q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)).masked_fill_(accept, 0.0)
-        # none accepted: draw from the residual (where p ~ q left all zeros: from p itself)
-        p = torch.where(p.sum(-1, keepdim=True) > 0, p, p_target)
-        residual = _race(p, self.uniform("residual", p)).argmax(-1, keepdim=True)
-        ys = torch.where(ys >= 0, ys, residual)
+                q = q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)
+        # none accepted: a draw from the residual. p_target at 1e-30 of its weight changes no
+        # float32 weight the residual has, and gives the draw where p ~ q left all zeros
+        residual = torch.add(p, p_target, alpha=1e-30)
+        ys = _race(residual, self.uniform("residual", p)).argmax(-1, keepdim=True)
+        for accepted, x in reversed(tried):
+            ys = torch.where(accepted, x, ys)
         return ys.view(main_logits.shape[:-1])
