@@ -141,10 +141,12 @@ class CartesianTree(Tree):
         return super().bind(config, device, dtype, batch_size)
 
     def paths(self, depth, width):
-        paths = [()]  # breadth-first, each node with its rank at every depth of its path
+        """Each node as its rank at every depth of its path, depth-first (the order of the
+        tuples): the top-1 chain comes first, so a path along it is a prefix of the pass."""
+        paths = [()]
         for k in self.ks:
             paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
-        return paths
+        return sorted(paths)
 
     def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """The same shape for every row and every step."""

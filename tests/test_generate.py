@@ -60,7 +60,7 @@ def test_a_shape_has_one_name_per_meaning():
     shape = tree.shape(torch.randn(1, 2, 11, dtype=torch.float64), depth_limit=torch.tensor([9]))
     host = host_shape(shape)
     assert torch.is_tensor(shape.depth) and not hasattr(shape, "depths")
-    assert host.depths == [0, 1, 1, 2, 2] and not hasattr(host, "depth")
+    assert host.depths == [0, 1, 2, 1, 2] and not hasattr(host, "depth")  # depth-first
 
 
 def test_greedy_identity_trained_model(tiny_ckpt):
@@ -241,17 +241,19 @@ def test_cartesian_tree_shape():
     assert len(t) == 1 + 3 + 6 + 6
     q = torch.randn(3, 11)
     tokens, shape = _draft(t, 5, q, 3, 11)
-    assert shape.depths == [0] + [1] * 3 + [2] * 6 + [3] * 6
+    # depth-first: the top-1 chain first (a path along it is a prefix), each subtree after its node
+    assert shape.depths[:4] == [0, 1, 2, 3] and shape.ranks[:4] == [0, 0, 0, 0]
+    assert sorted(shape.depths) == [0] + [1] * 3 + [2] * 6 + [3] * 6
     assert all(shape.parents[i] < i for i in range(1, len(t)))
-    # max_depth 2 does not cut the shape (it is fixed: nodes deeper are never accepted); the nodes
-    # of depth <= 2 are its first 10
+    assert [len(shape.children[u]) for u in range(len(t))] == [3] + [2, 1, 0, 1, 0] * 3
+    assert all([shape.ranks[c] for c in shape.children[u]] == list(range(len(shape.children[u])))
+               for u in range(len(t)))
+    top = torch.topk(q, 3).indices
+    assert tokens[0] == 5
+    assert all(tokens[u] == top[shape.depths[u] - 1, shape.ranks[u]] for u in range(1, len(t)))
+    # max_depth 2 does not cut the shape (it is fixed: nodes deeper are never accepted)
     tokens, shape = _draft(t, 5, q, 2, 11)
     assert shape.n_nodes == 16 and tokens[0] == 5
-    assert [u for u in range(16) if shape.depths[u] <= 2] == list(range(10))
-    top = torch.topk(q, 3).indices
-    assert tokens[1:4] == top[0].tolist()
-    assert tokens[4:10] == top[1, :2].tolist() * 3
-    assert tokens[10:16] == top[2, :1].tolist() * 6
     with pytest.raises(ValueError):
         make_tree("1,1,1,1", 3)
     with pytest.raises(ValueError):
@@ -744,18 +746,19 @@ def test_lookup_finds_the_latest_longest_match():
 
 
 def test_lookup_nodes_twin_the_stream_nodes_on_their_path():
-    """Tree 2,1+L3: the root, the lookup chain L1..L3, then the stream nodes a, b (depth 1), a',
-    b' (their children, depth 2). When the lookup drafts b, c, x and the streams b at depth 1 and
-    c at depth 2, L1 and L2 repeat the path root-b-c: they take the targets of b and of its
-    child, and the lookup's x is tried first under that child and under L2's twin path only."""
+    """Tree 2,1+L3: the root, the lookup chain L1..L3, then the stream nodes depth-first: a
+    (depth 1), a' (its child), b (depth 1), b' (its child). When the lookup drafts b, c, x and the
+    streams b at depth 1 and c at depth 2, L1 and L2 repeat the path root-b-c: they take the
+    targets of b and of its child, and the lookup's x is tried first under that child and under
+    L2's twin path only."""
     model = random_model(seed=0, n_streams=2)
     tree = make_tree("2,1+L3", 2).bind(model.config, "cpu", torch.float64)
     a, b, c, x, r = 5, 6, 7, 8, 1
-    tokens = torch.tensor([[r, b, c, x, a, b, c, c],  # b and c on the streams: twins
-                           [r, 9, c, x, a, b, c, c]])  # the lookup leaves the streams at once
+    tokens = torch.tensor([[r, b, c, x, a, c, b, c],  # b and c on the streams: twins
+                           [r, 9, c, x, a, c, b, c]])  # the lookup leaves the streams at once
     twin, look = tree.link(tokens)
-    assert twin.tolist() == [[0, 5, 7, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
-    assert look.tolist() == [[b, -1, -1, -1, -1, c, -1, x], [9, c, x, -1, -1, -1, -1, -1]]
+    assert twin.tolist() == [[0, 6, 7, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert look.tolist() == [[b, -1, -1, -1, -1, -1, c, x], [9, c, x, -1, -1, -1, -1, -1]]
 
 
 def test_drafts_from_the_text_carry_no_streams_and_give_way_to_their_twins():

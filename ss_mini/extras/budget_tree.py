@@ -42,11 +42,11 @@ class BudgetTree(Tree):
             return 1 + kin + max(0, chain - len(p))
 
         out, level = [()], [()]
-        for _ in range(depth):  # breadth-first; a path that needs too much has no cheaper child
+        for _ in range(depth):  # a path that needs too much has no cheaper child
             fits = lambda p: itertools.takewhile(lambda r: need(p + (r,)) <= n, range(width))
             level = [p + (r,) for p in level for r in fits(p)]
             out += level
-        return out
+        return sorted(out)  # depth-first, as CartesianTree's: the top-1 chain first
 
     def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """Each row's best n template nodes, scored by the product of draft probabilities along
