@@ -95,15 +95,15 @@ class Sampler:
 
     def verify(self, main_logits, draft_probs, ranked, shape, look=None):
         """The token the target emits at each node (B, n): argmax, or speculative sampling (the
-        class docstring; tests/test_generate.py `verify_reference`: one node at a time).
+        class docstring; tests/test_verify.py `verify_reference`: one node at a time).
         main_logits (B, n, V) at the shape's nodes; draft_probs, ranked: from `draft`; look: the
         token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
 
-        Vectorised over the nodes of every row: in round r every node that has an (r+1)-th child
-        and has accepted none tries it; the others sit the round out with q = 0 (`shape.tries`),
-        which leaves their p as it is. A candidate that was never drawn (q's support smaller than
-        the width: the race ranks tokens with q(x) = 0 last) comes after every token of the
-        support, so by its round q is all zero: it is never accepted and leaves p as it is too."""
+        Vectorised over the nodes of every row: in round r each node with an (r+1)-th child tries
+        it, the others sit it out with q = 0 (`shape.tries`), which leaves their p as it is; a node
+        emits the first child it accepts. A candidate never drawn (q's support smaller than the
+        width: the race ranks tokens with q(x) = 0 last) comes after all of the support, so by its
+        round q is all zero: it is never accepted and leaves p as it is too."""
         if self.gen is None:
             return main_logits.argmax(-1)
         V, tries = main_logits.shape[-1], shape.tries
@@ -128,8 +128,8 @@ class Sampler:
             if r + 1 < shape.max_children:
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
                 q = q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)
-        # none accepted: a draw from the residual. p_target at 1e-30 of its weight changes no
-        # float32 weight the residual has, and gives the draw where p ~ q left all zeros
+        # none accepted: a draw from the residual. p_target at 1e-30 of its weight rounds away
+        # wherever the residual has mass, and is the draw where p ~ q left all zeros
         residual = torch.add(p, p_target, alpha=1e-30)
         ys = _race(residual, self.uniform("residual", p)).argmax(-1, keepdim=True)
         for accepted, x in reversed(tried):

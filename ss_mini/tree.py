@@ -5,7 +5,7 @@ after the root r (the next token, already decided). A tree draft puts r at depth
 depth j, candidates of q_j, *ranked* by the sampling rule (sampling.py: the top tokens when
 greedy, a sample without replacement otherwise): a node is (depth, rank), and the children
 of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed *template* of nodes,
-parents first, and at each step a choice of n of them per row:
+depth-first (the top-1 chain first), and at each step a choice of n of them per row:
 - `CartesianTree(ks)`: the paper's tree, top-k_j candidates under every node of depth j-1,
   1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
 - `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row;
@@ -141,12 +141,10 @@ class CartesianTree(Tree):
         return super().bind(config, device, dtype, batch_size)
 
     def paths(self, depth, width):
-        """Each node as its rank at every depth of its path, depth-first (the order of the
-        tuples): the top-1 chain comes first, so a path along it is a prefix of the pass."""
-        paths = [()]
+        paths = [()]  # each node as its rank at every depth of its path
         for k in self.ks:
             paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(k)]
-        return sorted(paths)
+        return sorted(paths)  # depth-first: the top-1 chain first, its paths prefixes of the pass
 
     def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """The same shape for every row and every step."""
