@@ -215,6 +215,7 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
     for d in range(3):
         chain.append(next(c for c in children[chain[-1]] if tokens[c] == [0, 0, 0][d]))
     assert [depths[c] for c in chain] == [0, 1, 2, 3]
+    assert chain == [0, 1, 2, 3]  # depth-first templates: the chain first, a prefix of the pass
     # best-first after the forced chain (.5, .45, .225): the next best paths are .3 and .3*.9
     scores = []
     for u in range(1, 6):
