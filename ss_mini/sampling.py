@@ -113,8 +113,8 @@ class Sampler:
             has, y = look.reshape(-1, 1) >= 0, look.reshape(-1, 1).clamp_min(0)
             py = p.gather(1, y)
             tried.append((has & (self.uniform("look", y) < py), y))  # min(1, p(y) / 1)
-            rest = p.scatter(1, y, 0.0) / (1 - py).clamp_min(1e-30)  # rejected: p without y
-            p = p_target = torch.where(has, rest, p)  # what q's candidates then face
+            rest = p.scatter(1, y, 0.0)  # rejected: p without y, what q's candidates then face
+            p = p_target = torch.where(has, rest / rest.sum(-1, keepdim=True).clamp_min(1e-30), p)
         if shape.max_children:  # q of each node's children and its candidates (child r: cand[:, r])
             q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)
             cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)
@@ -125,11 +125,11 @@ class Sampler:
             tried.append((u[:, r:r + 1] * qx < torch.minimum(px, qx), x))  # never if q = 0
             # rejected: p becomes norm(max(0, p - q)) (q = 0: p stays); x leaves q, renormalised
             p = (p - q).clamp_min_(0)
-            if r + 1 < shape.max_children:
+            if r + 1 < shape.max_children:  # q by what is left (1 - q(x) cancels if q(x) ~ 1)
                 p = p / p.sum(-1, keepdim=True).clamp_min_(1e-30)
-                q = q.scatter(1, x, 0.0) / (1 - qx).clamp_min_(1e-30)
-        # none accepted: a draw from the residual. p_target at 1e-30 of its weight rounds away
-        # wherever the residual has mass, and is the draw where p ~ q left all zeros
+                q = q.scatter(1, x, 0.0)
+                q = q / q.sum(-1, keepdim=True).clamp_min_(1e-30)
+        # none accepted: the residual's draw (1e-30 p_target: the draw where p ~ q left zeros)
         residual = torch.add(p, p_target, alpha=1e-30)
         ys = _race(residual, self.uniform("residual", p)).argmax(-1, keepdim=True)
         for accepted, x in reversed(tried):

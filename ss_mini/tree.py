@@ -5,7 +5,7 @@ after the root r (the next token, already decided). A tree draft puts r at depth
 depth j, candidates of q_j, *ranked* by the sampling rule (sampling.py: the top tokens when
 greedy, a sample without replacement otherwise): a node is (depth, rank), and the children
 of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed *template* of nodes,
-depth-first (the top-1 chain first), and at each step a choice of n of them per row:
+depth-first (the top-1 chain first, after any lookup chain), and at each step n of them per row:
 - `CartesianTree(ks)`: the paper's tree, top-k_j candidates under every node of depth j-1,
   1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
 - `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row;

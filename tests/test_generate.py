@@ -229,8 +229,8 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
     # children hold ranks 0..m-1
     assert all(shape.ranks[c] == r for ch in children for r, c in enumerate(ch))
     # depth cut at 1 (4 tokens in the vocabulary): a budget tree always holds n nodes, and the
-    # nodes a row may accept come first: the root and every candidate of depth 1; the others are
-    # deeper
+    # nodes a row may accept are chosen first: the root and every candidate of depth 1; the
+    # others are deeper
     tokens, cut = _draft(BudgetTree(9, 3), 1, q, 1, 4)
     assert cut.n_nodes == 9 and all(cut.parents[i] < i for i in range(1, 9))
     assert sorted(d for d in cut.depths if d <= 1) == [0, 1, 1, 1, 1]

@@ -105,6 +105,24 @@ def test_a_residual_that_underflows_falls_back_to_the_target(monkeypatch):
     assert set(ys.tolist()) <= {2, 3, 4} and (ys != 4).any(), ys.bincount()
 
 
+def test_a_draft_certain_in_float32_leaves_the_next_child_its_chance():
+    """q(x) rounds to exactly 1 in float32 while the other tokens keep ~1e-13 each. Rejecting x
+    must leave q on the rest renormalised by what is left (1 - q(x) is 0 and would blow it up)
+    and p uniform on the rest, so the next child is always accepted: the node emits x with
+    p(x) = 1/8 and the second child otherwise, never another token (a node with two children
+    in a tree of up to three)."""
+    V, n = 8, 20_000
+    q = torch.softmax(torch.tensor([40.0] + [10.0] * (V - 1)), -1)[None]
+    assert q[0, 0] == 1.0 and (q[0, 1:] > 0).all()
+    shape = type("Shape", (), dict(cand_row=torch.zeros(n, dtype=torch.long),
+                                   tries=torch.tensor([[1.0, 1.0, 0.0]]).expand(n, 3),
+                                   max_children=3))()
+    ys = Sampler(1.0, None, None, 0, "cpu").verify(torch.zeros(n, V), q, torch.tensor([[0, 1, 2]]),
+                                                 shape)
+    counts = ys.bincount(minlength=V)
+    assert counts[2:].sum() == 0 and abs(counts[0] / n - 1 / 8) < 0.01, counts.tolist()
+
+
 def test_tau_counts_what_a_pass_emitted():
     """A pass cut short by max_new_tokens counts the tokens it gave, not its whole path:
     the prefill's token plus the passes' tokens are the output."""

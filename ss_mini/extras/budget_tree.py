@@ -51,9 +51,9 @@ class BudgetTree(Tree):
     def shape(self, draft_logits, draft_probs=None, depth_limit=None):
         """Each row's best n template nodes, scored by the product of draft probabilities along
         the path (ranks take the sorted probabilities of q; q is softmax(draft_logits) when greedy,
-        the tempered, cut q that sampling draws from otherwise). The top-1 chain always comes
-        first; nodes deeper than a row's depth_limit (block_size) come last. A stable sort keeps
-        template order among ties, so the n best are a tree: a parent before its children."""
+        the tempered, cut q that sampling draws from otherwise). The top-1 chain is always chosen,
+        nodes deeper than a row's depth_limit (block_size) last. A stable sort keeps template
+        order among ties, so the n best are a tree: a parent before its children."""
         t = self.template
         q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
         top = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values
