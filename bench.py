@@ -42,7 +42,7 @@ from ss_mini.extras.pruning import pruned_step
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.lab.compare import compare, describe
 from ss_mini.lab.measure import (compiled_steps, machine, over_runs, plain, run_interleaved,
-                                 run_pair, speculative, summarize, threads,
+                                 run_kwargs, run_pair, speculative, summarize, threads,
                                  tree_spec, unreliable)
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.step_cost import profile, roofline, step_costs, train_bench
@@ -210,20 +210,24 @@ def lookup_baseline(tree):
 def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
     """--repeats runs of plain and speculative decoding (and both compiled, with --compile; and
     last the lookup baseline), interleaved on every prompt; each run a list of results per
-    decoder."""
-    decoders = [lambda p: generate_ar(model, p, **kw), speculative(model, tree, kw)]
-    if cfg["compile"]:
-        steps, t0 = compiled_steps(), time.perf_counter()
+    decoder. Sampling, run i draws with --seed + i (`run_kwargs`)."""
+    steps = compiled_steps() if cfg["compile"] else None
+    if steps:
+        t0 = time.perf_counter()
         run_pair(model, calibration, tree, kw, steps)  # compiles the token and the tree steps
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
-        decoders += [plain(model, kw, steps), speculative(model, tree, kw, steps)]
     lookup = lookup_baseline(tree)
     if lookup is not None:
-        decoders.append(speculative(model, lookup, kw))
         run_pair(model, calibration[:1], lookup, kw)  # warm-up
     runs = []
     for i in range(cfg["repeats"]):
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
+        kw_i = run_kwargs(kw, i)
+        decoders = [lambda p: generate_ar(model, p, **kw_i), speculative(model, tree, kw_i)]
+        if steps:
+            decoders += [plain(model, kw_i, steps), speculative(model, tree, kw_i, steps)]
+        if lookup is not None:
+            decoders.append(speculative(model, lookup, kw_i))
         runs.append(run_interleaved(prompts, decoders))
     return runs
 
@@ -255,6 +259,8 @@ def answer_lines(cfg, r, runs, tree, kw, n):
     """The report's first line (and the note on repeated text where it applies)."""
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
+    if run_kwargs(kw, 1) is not kw and len(runs) > 1:
+        spread += f", seeds {kw['seed']}-{kw['seed'] + len(runs) - 1}"
     return ([f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
              f"{mode_of(cfg['temperature'])}: {cfg['out_dir']}, {n} x {kw['max_new_tokens']} new "
              "tokens"]

@@ -115,6 +115,23 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
     assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
 
 
+def test_sampled_runs_draw_with_seeds_in_turn(tiny_ckpt, monkeypatch, capsys):
+    """Sampling, run i of --repeats decodes with --seed + i in both decoders, so the range holds
+    the draws' spread; greedy runs keep the one seed (the same decode)."""
+    seeds = []
+    for name in ("generate_speculative", "generate_ar"):
+        real = getattr(bench, name)
+        spy = (lambda real: lambda *a, **kw: seeds.append(kw["seed"]) or real(*a, **kw))(real)
+        monkeypatch.setattr(bench, name, spy)
+        monkeypatch.setattr(measure, name, spy)
+    bench.main([f"--out_dir={tiny_ckpt}", "--num_prompts=1", "--max_new_tokens=8",
+                "--prompt_tokens=16", "--tree=1,1", "--repeats=3", "--temperature=0.8",
+                "--seed=7"])
+    assert seeds[-9:] == [7] * 3 + [8] * 3 + [9] * 3  # plain, tree, lookup baseline per run
+    assert "over 3 runs, seeds 7-9)" in capsys.readouterr().out.splitlines()[0]
+    assert measure.run_kwargs({"temperature": 0.0, "seed": 7}, 2)["seed"] == 7
+
+
 def test_timings_wait_for_the_device(monkeypatch):
     """synchronize waits on CUDA and on MPS (else the timers see kernel launches), and every
     timer uses it."""

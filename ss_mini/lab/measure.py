@@ -56,6 +56,14 @@ def tree_spec(tree):
     return "none" if tree is None else str(tree)
 
 
+def run_kwargs(kw, i):
+    """The decoders' arguments for measurement run i: sampling draws with seed + i, so that the
+    runs' range holds the spread of the draws (tau moves by a few percent from seed to seed), not
+    only the machine's; greedy runs are the same decode each time."""
+    sampled = kw["temperature"] > 0 and kw["seed"] is not None
+    return {**kw, "seed": kw["seed"] + i} if sampled else kw
+
+
 def run_pair(model, prompts, tree, kw, steps=None):
     """AR and SS on the same prompts, interleaved."""
     return run_interleaved(prompts, [plain(model, kw, steps), speculative(model, tree, kw, steps)])

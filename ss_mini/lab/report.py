@@ -47,8 +47,8 @@ def table_markdown(doc):
     threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
     out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch "
            f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row "
-           f"the median of {doc['repeats']} runs (the range in brackets), the rows taking turns "
-           "run by run.", "",
+           f"the median of {doc['repeats']} runs (the range in brackets; sampled rows draw with "
+           "seeds --seed, --seed + 1, ...), the rows taking turns run by run.", "",
            "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ "
            "| CR | output repeats |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]

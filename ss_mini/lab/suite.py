@@ -8,8 +8,8 @@ import torch
 
 from ..io.checkpoint import load_model
 from ..io.cli import UsageError
-from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_interleaved, run_pair,
-                      speculative, summarize, unreliable)
+from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_interleaved,
+                      run_kwargs, run_pair, speculative, summarize, unreliable)
 from .report import shell_quote
 from ..extras.budget_tree import make_tree
 from .measure import tree_spec
@@ -63,7 +63,7 @@ def suite(cfg, defaults, sample_defaults, device, dtype, progress):
     for k in range(cfg["repeats"]):
         progress(f"suite: run {k + 1}/{cfg['repeats']} of every row")
         for w, row_runs in zip(work, runs):
-            row_runs.append(run_row(w))
+            row_runs.append(run_row(w, k))
     for row, w, row_runs in zip(rows, work, runs):
         row.update(over_runs([summarize(*run) for run in row_runs]), tree=tree_spec(w["tree"]),
                    tree_nodes=len(w["tree"]) if w["tree"] else 0)
@@ -80,14 +80,15 @@ def suite(cfg, defaults, sample_defaults, device, dtype, progress):
                                                          sample_defaults))
 
 
-def run_row(w):
-    """One run of a row: (plain, speculative) results, interleaved on every prompt. A row whose
-    search picked plain decoding (the tree none) runs it once for both columns, since timing it
-    twice would only measure noise."""
+def run_row(w, k):
+    """Run k of a row: (plain, speculative) results, interleaved on every prompt (sampling with
+    seed + k: `run_kwargs`). A row whose search picked plain decoding (the tree none) runs it
+    once for both columns, since timing it twice would only measure noise."""
+    kw = run_kwargs(w["kw"], k)
     if w["tree"] is None:
-        plain = run_interleaved(w["prompts"], [speculative(w["model"], None, w["kw"])])[0]
+        plain = run_interleaved(w["prompts"], [speculative(w["model"], None, kw)])[0]
         return [plain, plain]
-    return run_pair(w["model"], w["prompts"], w["tree"], w["kw"])
+    return run_pair(w["model"], w["prompts"], w["tree"], kw)
 
 
 def load_checkpoints(cfg, dirs, device, dtype):
