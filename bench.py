@@ -6,6 +6,7 @@
     python bench.py --tree=3,2,1           # the paper's Cartesian tree; --tree=n16 a 16-node budget
     python bench.py --tree=auto            # pick the tree on calibration prompts first (default)
     python bench.py --repeats=5            # one tree search, then 5 measurement runs: median, range
+                                           # (sampling: run i draws with --seed + i)
     python bench.py --sweep                # tokens/s over tree shapes and budgets, best marked
     python bench.py --profile              # where a speculative step spends its time
     python bench.py --train_steps=10       # also ms/iter of training with and without streams

@@ -7,8 +7,8 @@ from . import plot
 from ..io.checkpoint import load_model
 from ..io.cli import UsageError
 from ..generate import generate_ar
-from .measure import (machine, over_runs, run_interleaved, speculative, summarize, threads,
-                      tree_spec)
+from .measure import (machine, over_runs, run_interleaved, run_kwargs, speculative, summarize,
+                      threads, tree_spec)
 from .tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts,
                           pick_prompts)
 
@@ -63,9 +63,10 @@ def sweep(model, prompts, calibration, cfg, kw, progress):
         tree = None if candidates == ["none"] else choose_tree(
             model, calibration_batches(calibration, B),
             {**search, "candidates": ";".join(candidates)}, kw, lambda *a: None)
-        decoders = ([lambda p: generate_ar(model, p, **kw)]
-                    + ([speculative(model, tree, kw)] if tree else []))
-        runs = [run_interleaved(batches, decoders) for _ in range(cfg["repeats"])]
+        decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)]
+                               + ([speculative(model, tree, kw)] if tree else []))
+        runs = [run_interleaved(batches, decoders(run_kwargs(kw, i)))  # sampling: seed + i
+                for i in range(cfg["repeats"])]
         # the tree none: speculative decoding is plain decoding, the same runs (timing it twice
         # measures noise)
         r = over_runs([summarize(results[0], results[-1]) for results in runs])
