@@ -260,8 +260,9 @@ def answer_lines(cfg, r, runs, tree, kw, n):
     """The report's first line (and the note on repeated text where it applies)."""
     lo, hi = r["speedup_range"]
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
-    if run_kwargs(kw, 1) is not kw and len(runs) > 1:
-        spread += f", seeds {kw['seed']}-{kw['seed'] + len(runs) - 1}"
+    last = run_kwargs(kw, len(runs) - 1)["seed"]
+    if last != kw["seed"]:  # sampling: run i drew with seed + i
+        spread += f", seeds {kw['seed']}-{last}"
     return ([f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
              f"{mode_of(cfg['temperature'])}: {cfg['out_dir']}, {n} x {kw['max_new_tokens']} new "
              "tokens"]
