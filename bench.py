@@ -262,7 +262,7 @@ def answer_lines(cfg, r, runs, tree, kw, n):
     spread = f"{lo:.2f}-{hi:.2f}x over {len(runs)} runs" if len(runs) > 1 else "1 run"
     last = run_kwargs(kw, len(runs) - 1)["seed"]
     if last != kw["seed"]:  # sampling: run i drew with seed + i
-        spread += f", seeds {kw['seed']}-{last}"
+        spread += f", seeds {kw['seed']} to {last}"
     return ([f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
              f"{mode_of(cfg['temperature'])}: {cfg['out_dir']}, {n} x {kw['max_new_tokens']} new "
              "tokens"]

@@ -128,7 +128,7 @@ def test_sampled_runs_draw_with_seeds_in_turn(tiny_ckpt, monkeypatch, capsys):
                 "--prompt_tokens=16", "--tree=1,1", "--repeats=3", "--temperature=0.8",
                 "--seed=7"])
     assert seeds[-9:] == [7] * 3 + [8] * 3 + [9] * 3  # plain, tree, lookup baseline per run
-    assert "over 3 runs, seeds 7-9)" in capsys.readouterr().out.splitlines()[0]
+    assert "over 3 runs, seeds 7 to 9)" in capsys.readouterr().out.splitlines()[0]
     assert measure.run_kwargs({"temperature": 0.0, "seed": 7}, 2)["seed"] == 7
 
 
