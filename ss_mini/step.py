@@ -22,13 +22,12 @@ from .tree import TreeShape
 class Draft(NamedTuple):
     """A tree draft in every row: tokens (B, n), the root first; its shape; the ranked candidates
     (B, D, width) from the draft logits (B, D, V) and, sampling, their distributions (else None);
-    sampling with drafts from the text: each node's twin and the text's token it tries first."""
+    sampling with drafts from the text, the text's token each node tries first (else None)."""
     tokens: torch.Tensor
     shape: TreeShape
     ranked: torch.Tensor
     logits: torch.Tensor
     probs: torch.Tensor | None
-    twin: torch.Tensor | None = None
     look: torch.Tensor | None = None
 
 
@@ -55,15 +54,19 @@ class Step(NamedTuple):
 def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
     """Phase 1 (§3.2.2): candidates ranked per depth from the draft logits (B, D, V) of each
     row's last accepted position, placed into the tree's shape under the root (B,); and the
-    tokens of lookup (B, m), drafted from the decoded text, where a lookup tree puts them."""
+    tokens of lookup (B, m), drafted from the decoded text, where a lookup tree puts them; the
+    streams then rank q_1 without the text's first token, so no two children of a node hold
+    one token (extras/lookup.py)."""
+    if lookup is not None and draft_logits.shape[1]:
+        draft_logits = draft_logits.scatter(2, lookup[:, :1, None], float("-inf"))
     ranked, probs = sampler.draft(draft_logits, tree.width)
     shape = tree.shape(draft_logits, probs, depth_limit)
     candidates = ranked.flatten(1)
     if lookup is not None:  # after the ranked candidates (tree.py: Template)
         candidates = torch.cat([candidates, lookup], 1)
     tokens = torch.cat([root.unsqueeze(1), candidates.gather(1, shape.gather)], dim=1)
-    links = tree.link(tokens) if lookup is not None and probs is not None else ()
-    return Draft(tokens, shape, ranked, draft_logits, probs, *links)
+    look = tree.look(lookup) if lookup is not None and probs is not None else None
+    return Draft(tokens, shape, ranked, draft_logits, probs, look)
 
 
 def forward_tree(model, cache, draft, tree):
@@ -82,18 +85,14 @@ def forward_tree(model, cache, draft, tree):
 def verify(draft, main_logits, sampler, depth_limit):
     """Phase 3: the target's token at every node, and each row's accepted path. A node is
     accepted when every node on its path holds the token its parent emitted and it lies within
-    depth_limit (B,); children hold distinct tokens, so one path of tokens is accepted, and its
-    deepest node ends it (a twin from the text gives way to its stream node, whose streams ran:
-    extras/lookup.py). shape.anc leaves out the root: always accepted, it meets its own target."""
+    depth_limit (B,); children hold distinct tokens, so one path is accepted, and its deepest
+    node ends it. shape.anc leaves out the root: always accepted, it meets its own target."""
     shape = draft.shape
     targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape, draft.look)
-    if draft.twin is not None:  # one draw per path of tokens (extras/lookup.py)
-        targets = targets.gather(1, draft.twin)
     miss = draft.tokens != targets.gather(1, shape.parent)
     miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
-    key = n_accepted if shape.carries is None else 2 * n_accepted + shape.carries  # ties: streams
-    last = key.argmax(1) + shape.first_node
+    last = n_accepted.argmax(1) + shape.first_node
     return Verified(targets, n_accepted.take(last), last)
 
 

@@ -30,13 +30,13 @@ class TreeShape:
     stream_idx (B, m), the nodes that carry streams (None: all; a draft from the text carries
     none); window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
     the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left out
-    (always accepted); path_length (B, n) = depth + 1; carries (B, n), the nodes with streams
-    (None: all); and for speculative sampling tries (B * n, width), 1.0 where node u has an
-    (r+1)-th child from q, and cand_row (B * n), the row of the drafts (B * depths drafted) its
-    children come from. What accept needs: path (B, n, D+1), the nodes root..u, padded with u;
-    stream_row (B * n), whose streams draft after u among the B * m: u's, its root's for a draft
-    from the text (None: u's). gather (B, n-1): where nodes 1..n-1 find their tokens,
-    (depth - 1) * width + rank among the candidates, or past them."""
+    (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
+    (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
+    of the drafts (B * depths drafted) its children come from. What accept needs: path
+    (B, n, D+1), the nodes root..u, padded with u; stream_row (B * n), whose streams draft after
+    u among the B * m: u's, its root's for a draft from the text (None: u's). gather (B, n-1):
+    where nodes 1..n-1 find their tokens, (depth - 1) * width + rank among the candidates, or
+    past them."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -59,9 +59,9 @@ class TreeShape:
         D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
         rows = torch.arange(B, device=sel.device)[:, None]
         self.cand_row = (rows * D + self.depth.clamp(max=D - 1)).flatten()
-        self.stream_idx = self.stream_row = self.carries = None  # every node carries streams
+        self.stream_idx = self.stream_row = None  # every node carries streams
         if n_streams and t.from_text:  # a LookupTree's fixed shape: `carries` is read on the host
-            self.carries = carries = self.rank >= 0  # the root and the stream nodes
+            carries = self.rank >= 0  # the root and the stream nodes
             self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
             local = (carries.cumsum(1) - 1) * carries  # in its row: its own, or the root's (0)
             self.stream_row = (rows * self.stream_idx.shape[1] + local).flatten()

@@ -746,27 +746,40 @@ def test_lookup_finds_the_latest_longest_match():
     assert lookup(big + big[:2], 2) == [2**20 - 1, 55_296]
 
 
-def test_lookup_nodes_twin_the_stream_nodes_on_their_path():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_streams_never_propose_the_texts_first_token(temperature):
     """Tree 2,1+L3: the root, the lookup chain L1..L3, then the stream nodes depth-first: a
-    (depth 1), a' (its child), b (depth 1), b' (its child). When the lookup drafts b, c, x and the
-    streams b at depth 1 and c at depth 2, L1 and L2 repeat the path root-b-c: they take the
-    targets of b and of its child, and the lookup's x is tried first under that child and under
-    L2's twin path only."""
+    (depth 1), a' (its child), b (depth 1), b' (its child). When the streams' best token at depth
+    1 is the lookup's first, a and b hold the next candidates (q_1 without it when sampling), so
+    no two children of a node hold one token; sampling, the root and L1, L2 try the lookup's
+    tokens first."""
+    from ss_mini.step import draft_tree
     model = random_model(seed=0, n_streams=2)
     tree = make_tree("2,1+L3", 2).bind(model.config, "cpu", torch.float64)
-    a, b, c, x, r = 5, 6, 7, 8, 1
-    tokens = torch.tensor([[r, b, c, x, a, c, b, c],  # b and c on the streams: twins
-                           [r, 9, c, x, a, c, b, c]])  # the lookup leaves the streams at once
-    twin, look = tree.link(tokens)
-    assert twin.tolist() == [[0, 6, 7, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
-    assert look.tolist() == [[b, -1, -1, -1, -1, -1, c, x], [9, c, x, -1, -1, -1, -1, -1]]
+    V, x = model.config.vocab_size, 5
+    draft_logits = torch.randn(2, 2, V, generator=torch.Generator().manual_seed(0),
+                               dtype=torch.float64)
+    draft_logits[:, 0, x] = 10.0  # the streams' best at depth 1: the lookup's first token
+    lookup = torch.tensor([[x, 6, 7], [x, 7, 6]])
+    sampler = Sampler(temperature, None, None, 0, "cpu")
+    draft = draft_tree(torch.tensor([1, 2]), draft_logits, tree, sampler, torch.tensor([99, 99]),
+                       lookup)
+    assert draft.tokens[:, 1:4].tolist() == lookup.tolist()
+    a, b = draft.tokens[:, 4], draft.tokens[:, 6]
+    assert (a != x).all() and (b != x).all() and (a != b).all()
+    if temperature == 0:
+        second = draft_logits[:, 0].topk(3).indices[:, 1:]  # the best two after x
+        assert torch.equal(torch.stack([a, b], 1), second) and draft.look is None
+    else:
+        q_1 = draft.probs[:, 0]
+        assert (q_1[:, x] == 0).all() and torch.allclose(q_1.sum(-1), q_1.new_ones(2))
+        assert draft.look.tolist() == [[x, 6, 7] + [-1] * 5, [x, 7, 6] + [-1] * 5]
 
 
-def test_drafts_from_the_text_carry_no_streams_and_give_way_to_their_twins():
+def test_drafts_from_the_text_carry_no_streams():
     """Tree 1+L3: the root, the lookup chain L1..L3, then the stream node s. Only the root and s
-    carry streams. When L1 and s hold the same token, the one the root's target emits, and L2 is
-    rejected, both paths are 2 nodes deep: s ends the path, and its streams draft the next step;
-    a path that ends in the chain takes the root's."""
+    carry streams: a path that ends at s takes s's streams for the next step, a path that ends
+    in the chain its root's."""
     from ss_mini.step import Draft, accept, verify
     model = random_model(seed=0, n_streams=2)
     tree = make_tree("1+L3", 2).bind(model.config, "cpu", torch.float64)
@@ -777,7 +790,7 @@ def test_drafts_from_the_text_carry_no_streams_and_give_way_to_their_twins():
     for node, target in enumerate([a, b, c, c, b]):
         main_logits[0, node, target] = 1.0
     stream_logits = torch.arange(2.0, dtype=torch.float64).view(1, 2, 1, 1).expand(1, 2, 1, V)
-    for tokens, last, drafts_of in (([r, a, c, c, a], 4, 1),  # L2 rejected: s and L1 tie
+    for tokens, last, drafts_of in (([r, c, c, c, a], 4, 1),  # L1 rejected, s accepted
                                     ([r, a, b, a, 9], 2, 0)):  # the chain to L2: the root's
         draft = Draft(torch.tensor([tokens]), shape, None, None, None)
         sampler = Sampler(0.0, None, None, None, "cpu")
@@ -808,9 +821,9 @@ def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
 
 @pytest.mark.parametrize("spec", ["1+L2", "2,1+L3", "L3"])
 def test_lookup_branches_sample_exactly(spec):
-    """A near-uniform model on 3 tokens after a periodic prompt: the lookup's drafts often repeat
-    a stream branch and are often right, so a twin that kept its own draw would pick the deeper
-    of two draws and bias the output (this test then fails). 64 rows x 40 seeds, pooled."""
+    """A near-uniform model on 3 tokens after a periodic prompt: the lookup's drafts are often
+    right and often the streams' best token too (which q_1 then leaves out). 64 rows x 40 seeds,
+    pooled."""
     model = random_model(seed=1, std=0.1, vocab_size=3, n_streams=2, block_size=16)
     prompt, k, kw = [0, 1, 2, 0, 1, 2, 1], 4, dict(temperature=1.0)
     probs = _exact_first_tokens(model, prompt, k, **kw)

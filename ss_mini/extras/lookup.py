@@ -13,15 +13,14 @@ ends in the chain takes the root's drafts for its next step: made for other posi
 rarely accepted, and verify keeps the output exact whatever they are. The chain comes first in
 the template, so a path along it is already in place in the cache (extras/kernels.py).
 
-Two rules keep it exact. Where the lookup's first tokens equal a stream branch's (the same
-tokens on the same path), those lookup nodes are *twins* of the stream nodes: the same token at
-the same position under the same ancestors, so the same keys and values; a twin takes its
-stream node's target, so a path of tokens is verified by one draw. Under sampling a lookup
-draft is a point mass: the root, every stream node on the lookup's path and every lookup node
-past the twins try the lookup's next token first (sampling.py), accepted with probability
-p(y), and on rejection p loses y before q's candidates are tried. Whether a node tries it
-depends only on the draws that made the nodes down to it, never on the draws of its
-children, so the target at every node keeps plain sampling's distribution.
+Two rules keep it exact. The streams never propose the lookup's first token (`draft_tree`
+in step.py takes it out of q_1 before the candidates are ranked or drawn), so the children of
+every node hold distinct tokens, as in a tree of the streams alone: no node repeats another,
+and one path is accepted. q_1 without that token is a distribution fixed by the decoded text
+before any draw, so speculative sampling with it stays exact. Under sampling a lookup draft is
+a point mass: the root and every node of the chain but the last try the lookup's next token
+first (sampling.py), accepted with probability p(y), and on rejection p loses y before q's
+candidates are tried.
 """
 import torch
 
@@ -56,18 +55,6 @@ class LookupTree(CartesianTree):
         self.lookup_length = self.chain = int(length)
         self.n_nodes += self.chain
 
-    def bind(self, config, device, dtype, batch_size=1):
-        super().bind(config, device, dtype, batch_size)
-        t, m = self.template, self.chain
-        if getattr(self, "_linked", None) is not t:  # once per template
-            self._linked = t
-            self.stream_nodes = (t.rank >= 0).nonzero().flatten()  # the root included
-            self.stream_anc = t.anc[self.stream_nodes][:, self.stream_nodes]
-            self.stream_depth = t.depth[self.stream_nodes]
-            self.at_depth = self.stream_depth[:, None] == torch.arange(1, m + 1,
-                                                                       device=t.depth.device)
-        return self
-
     def paths(self, depth, width):
         """The root, the lookup chain (a path along it is a prefix of the pass: nothing moves in
         the cache, extras/kernels.py), then the streams' nodes."""
@@ -80,25 +67,12 @@ class LookupTree(CartesianTree):
         chains = [lookup(c, self.chain) or [0] * self.chain for c in contexts]
         return torch.tensor(chains, device=self.template.depth.device)
 
-    def link(self, tokens):
-        """(twin, look) for a draft's tokens (B, n): the node whose target each node takes
-        (itself; a stream node for its lookup twin) and the lookup token each node tries as a
-        child first (-1: none): the root and the stream nodes on the lookup's path, and each
-        lookup node past the twins."""
-        B, m, stream = tokens.shape[0], self.chain, self.stream_nodes
-        after = torch.cat([tokens[:, 1:m + 1], tokens.new_full((B, 1), -1)], 1)  # after depth d
-        depth = self.stream_depth.expand(B, -1)
-        same = tokens[:, stream] == after.gather(1, (depth - 1).clamp(0, m))
-        same = (same | (depth == 0)) & (depth <= m)  # the root is on every path
-        on_path = ~(self.stream_anc & ~same[:, None, :]).any(-1)  # (B, s)
-        twin_at = on_path[:, :, None] & self.at_depth  # (B, s, m): stream twin of lookup node j
-        has_twin = twin_at.any(1)
-        own = torch.arange(tokens.shape[1], device=tokens.device).expand(B, -1)
-        twin = torch.cat([own[:, :1], torch.where(has_twin, stream[twin_at.byte().argmax(1)],
-                                                  own[:, 1:m + 1]), own[:, m + 1:]], 1)
-        look = torch.where(on_path, after.gather(1, depth.clamp(max=m)), -1)  # stream nodes
-        chain = torch.where(has_twin, -1, after[:, 1:])
-        return twin, torch.cat([look[:, :1], chain, look[:, 1:]], 1)
+    def look(self, lookup):
+        """The token from the text that each node tries first when sampling (B, n), -1 for none:
+        the root the chain's first, each node of the chain the next; the chain's last and the
+        stream nodes none (no stream node holds the chain's first token: step.draft_tree)."""
+        rest = lookup.new_full((lookup.shape[0], self.n_nodes - self.chain), -1)
+        return torch.cat([lookup, rest], 1)
 
     def __repr__(self):
         streams = super().__repr__() + "+" if self.ks else ""

@@ -45,7 +45,7 @@ def profile(model, prompts, tree, kw, log):
         "forward passes, prefill and window rebuilds included":
             seconds(("forward_nodes", "pruned_forward")),
         "tree draft (candidates ranked, the tree's shape)": seconds(("draft", "shape")),
-        "drafts from the text (lookup on the host, twins)": seconds(("lookup", "link")),
+        "drafts from the text (the lookup on the host)": seconds(("lookup", "look")),
         "masks (each row's window over the cache)": seconds(("mask",)),
         "verify (the target's tokens)": seconds(("verify", "pick")),
         "accept (cache compaction, lengths)": seconds(("accept", "advance")),

@@ -9,7 +9,7 @@ outside). sample.py --speculative --trace=FILE.html is the way in.
 
 Per pass: the cache length L, the root, the drafted tree (every node's token, depth, parent,
 rank, who proposed it (the streams or the decoded text), the draft probability of its token,
-the token the main stream emitted there, and its status: root, accepted, rejected, twin,
+the token the main stream emitted there, and its status: root, accepted, rejected,
 unreached or pruned), the accepted path, the next root, how many tokens it emitted (its
 accepted drafts and the next root), and the attention mask of its multi-stream layers (after
 pruning, when it pruned) in sparse form: for each row, the key columns it may attend to, the
@@ -57,21 +57,10 @@ def kept_nodes(drafted, verified):
     return [index[p] for p in rank_paths(verified)]
 
 
-def token_paths(shape, tokens):
-    """Each node's tokens from the root's child down to it (the root: ())."""
-    paths = [()]
-    for u in range(1, shape.n_nodes):
-        paths.append(paths[shape.parents[u]] + (tokens[u],))
-    return paths
-
-
-def sources(shape, tokens):
-    """Who proposed each node: 'streams', 'text' (extras/lookup.py), or 'text = streams' for a
-    draft from the text whose path of tokens a stream node holds too (its twin); the root: None."""
-    paths = token_paths(shape, tokens)
-    streams = {p for u, p in enumerate(paths) if u and shape.ranks[u] >= 0}
-    return [None] + ["streams" if shape.ranks[u] >= 0 else "text = streams" if paths[u] in streams
-                     else "text" for u in range(1, shape.n_nodes)]
+def sources(shape):
+    """Who proposed each node: 'streams', or 'text' for a draft from the decoded text
+    (extras/lookup.py); the root: None."""
+    return [None] + ["streams" if r >= 0 else "text" for r in shape.ranks[1:]]
 
 
 def sparse_mask(mask, L):
@@ -114,24 +103,20 @@ def record(step, decode):
     # drafts from the text (rank -1, extras/lookup.py) have no q: a point mass
     q_prob = [None] + [probs[d - 1, t].item() if r >= 0 else None
                        for d, t, r in zip(drafted.depths[1:], tokens[1:], drafted.ranks[1:])]
-    source = sources(drafted, tokens)
+    source = sources(drafted)
     emitted = [None] * drafted.n_nodes
     for i, u in enumerate(kept):
         emitted[u] = step["ys"][i]
     path = [kept[i] for i in step["path"]]
     on_path, alive = set(path), set(kept)
-    paths = token_paths(drafted, tokens)
-    accepted_paths = {paths[u] for u in path}
     nodes = []
     for u in range(drafted.n_nodes):
         p = drafted.parents[u]
-        # rejected: the main stream emitted another token at its parent; twin: the same tokens as
-        # an accepted node (a stream node and a draft from the text); unreached: a child of the
-        # path that carries the token emitted there and was not accepted lies past the block's
-        # end (a fixed shape keeps such nodes, a pass never accepts them)
+        # rejected: the main stream emitted another token at its parent; unreached: a child of
+        # the path that carries the token emitted there and was not accepted lies past the
+        # block's end (a fixed shape keeps such nodes, a pass never accepts them)
         status = ("root" if u == 0 else "accepted" if u in on_path else "pruned" if u not in alive
-                  else "rejected" if p in on_path and tokens[u] != emitted[p]
-                  else "twin" if paths[u] in accepted_paths else "unreached")
+                  else "rejected" if p in on_path and tokens[u] != emitted[p] else "unreached")
         nodes.append(dict(token=tokens[u], text=decode([tokens[u]]), depth=drafted.depths[u],
                           parent=p, rank=drafted.ranks[u], source=source[u], q_prob=q_prob[u],
                           emitted=emitted[u],
