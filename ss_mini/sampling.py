@@ -84,13 +84,17 @@ class Sampler:
         p = self.probs(logits)
         return _race(p, self.uniform("pick", p)).argmax(-1)
 
-    def draft(self, draft_logits, width):
+    def draft(self, draft_logits, width, exclude=None):
         """(ranked candidates (..., depths, width), draft probabilities (..., depths, V) or None
-        when greedy) from the draft logits (..., depths, V) of the last accepted position."""
+        when greedy) from draft logits (..., depths, V); exclude (..., 1, 1): q_1 leaves it out."""
+        if exclude is not None:
+            draft_logits = draft_logits.scatter(-1, exclude, float("-inf"))
         if self.gen is None:
             return torch.topk(draft_logits, width, dim=-1).indices, None
         draft_probs = self.probs(draft_logits)
         keys = _race(draft_probs, self.uniform("draft", draft_probs))
+        if exclude is not None:  # below even keys of -inf (past q_1's support): never drawn
+            keys = keys.clamp_min(torch.finfo(keys.dtype).min).scatter(-1, exclude, float("-inf"))
         return torch.topk(keys, width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape, look=None):

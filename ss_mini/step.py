@@ -3,8 +3,8 @@
 `speculative_step` (paper §3.2) is four phases, each a function below:
   1. `draft_tree`: the root (the next token, decided) and candidates from the streams of the
      last accepted token, placed into the tree (tree.py);
-  2. `forward_tree`: one pass over the tree: the main stream verifies every node, the streams
-     of every node but a draft from the text draft for the next step (model.py, masks.py);
+  2. `forward_tree`: one pass over the tree: the main stream verifies every node, and the
+     streams of every node (drafts from the text aside) draft the next step (model.py, masks.py);
   3. `verify`: the target's token at every node (sampling.py) and each row's accepted path;
   4. `accept`: each row keeps its path in its cache (kvcache.py); the streams of the path's
      last node (its root's for a draft from the text) are the next drafts.
@@ -54,12 +54,10 @@ class Step(NamedTuple):
 def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
     """Phase 1 (§3.2.2): candidates ranked per depth from the draft logits (B, D, V) of each
     row's last accepted position, placed into the tree's shape under the root (B,); and the
-    tokens of lookup (B, m), drafted from the decoded text, where a lookup tree puts them; the
-    streams then rank q_1 without the text's first token, so no two children of a node hold
-    one token (extras/lookup.py)."""
-    if lookup is not None and draft_logits.shape[1]:
-        draft_logits = draft_logits.scatter(2, lookup[:, :1, None], float("-inf"))
-    ranked, probs = sampler.draft(draft_logits, tree.width)
+    tokens of lookup (B, m), drafted from the decoded text, where a lookup tree puts them (the
+    streams' candidates then leave its first token out: extras/lookup.py)."""
+    exclude = lookup[:, :1, None] if lookup is not None and draft_logits.shape[1] else None
+    ranked, probs = sampler.draft(draft_logits, tree.width, exclude)
     shape = tree.shape(draft_logits, probs, depth_limit)
     candidates = ranked.flatten(1)
     if lookup is not None:  # after the ranked candidates (tree.py: Template)
@@ -111,8 +109,7 @@ def accept(cache, draft, verified, stream_logits, tree):
     row = last if draft.shape.stream_row is None else draft.shape.stream_row.take(last)
     next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) stays
                    else stream_logits.flatten(0, 1).index_select(0, row))
-    return Step(n_accepted, emitted, verified.targets.take(last), next_drafts,
-                draft.shape.n_nodes)
+    return Step(n_accepted, emitted, verified.targets.take(last), next_drafts, draft.shape.n_nodes)
 
 
 def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,

@@ -56,11 +56,11 @@ class TreeShape:
         children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
         self.tries = (torch.arange(width, device=sel.device) < children.view(-1, 1)).float()
         self.max_children = min(width, t.max_children)
-        D = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * D + d
+        g = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * g + d
         rows = torch.arange(B, device=sel.device)[:, None]
-        self.cand_row = (rows * D + self.depth.clamp(max=D - 1)).flatten()
+        self.cand_row = (rows * g + self.depth.clamp(max=g - 1)).flatten()
         self.stream_idx = self.stream_row = None  # every node carries streams
-        if n_streams and t.from_text:  # a LookupTree's fixed shape: `carries` is read on the host
+        if n_streams and t.from_text:  # a LookupTree's fixed shape (indexing by `carries` syncs)
             carries = self.rank >= 0  # the root and the stream nodes
             self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
             local = (carries.cumsum(1) - 1) * carries  # in its row: its own, or the root's (0)

@@ -545,6 +545,10 @@ def test_tree_specs_with_a_lookup_branch():
                           ("1,1,1,1,1+L3", r"--tree=1,1,1,1,1\+L3: .*5 depths")):
         with pytest.raises(ValueError, match=message):
             make_tree(spec, 4)
+    model = random_model(seed=0, n_streams=2, vocab_size=3)  # the text's token and two others
+    make_tree("2+L2", 2).bind(model.config, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="3 stream candidates at depth 1 besides the text's"):
+        make_tree("3+L2", 2).bind(model.config, "cpu", torch.float32)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -774,6 +778,19 @@ def test_streams_never_propose_the_texts_first_token(temperature):
         q_1 = draft.probs[:, 0]
         assert (q_1[:, x] == 0).all() and torch.allclose(q_1.sum(-1), q_1.new_ones(2))
         assert draft.look.tolist() == [[x, 6, 7] + [-1] * 5, [x, 7, 6] + [-1] * 5]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("x", [1, 2])
+def test_a_token_left_out_of_q_ranks_after_every_other(x, temperature):
+    """Three tokens, token 0 the only one that top_p keeps in q, x left out (a lookup's): of two
+    candidates the second is the token past q's support, never x, however keys of -inf tie."""
+    logits = torch.tensor([[[9.0, 0.0, 0.0]]])
+    for seed in range(10):
+        sampler = Sampler(temperature, None, 0.5, seed, "cpu")
+        ranked, q = sampler.draft(logits, 2, exclude=torch.tensor([[[x]]]))
+        assert ranked.tolist() == [[[0, 3 - x]]]
+        assert q is None or q[0, 0].tolist() == [1.0, 0.0, 0.0]
 
 
 def test_drafts_from_the_text_carry_no_streams():

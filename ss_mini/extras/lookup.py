@@ -1,26 +1,28 @@
 """Drafts from the decoded text beside the streams' (prompt-lookup decoding, Saxena 2023), as
 one more branch of the tree draft.
 
-The tokens that followed the latest earlier occurrence of a row's last k tokens (the longest
-k of 3, 2, 1 that occurs) cost no parameters and often continue the text: names, repeated
-lines, quoted code. `LookupTree(ks, m)` is the streams' Cartesian tree `ks` plus a chain of m
-such tokens under the root ('1,1,1+L4'; 'L4' alone is prompt-lookup decoding with this model,
-cache and step). The pass, verify and accept treat its nodes like any other: a node is a node,
-but one from the text carries no streams. Where the text's draft is right, the path runs deep
-into the chain and the next pass mostly drafts from the text again; the streams matter where it
-fails, near the root, and a stream row at every chain node would cost every pass. A path that
-ends in the chain takes the root's drafts for its next step: made for other positions, they are
-rarely accepted, and verify keeps the output exact whatever they are. The chain comes first in
-the template, so a path along it is already in place in the cache (extras/kernels.py).
+The tokens that followed the latest earlier occurrence of a row's last k tokens (the longest k
+of 3, 2, 1 that occurs) cost no parameters and often continue the text: names, repeated lines,
+quoted code. `LookupTree(ks, m)` is the streams' Cartesian tree `ks` plus a chain of m such
+tokens under the root ('1,1,1+L4'; 'L4' alone is prompt-lookup decoding with this model, cache
+and step). The pass, verify and accept treat its nodes like any other: a node is a node, but
+one from the text carries no streams and, sampling, tries the text's next token first. Where
+the text's draft is right, the path runs deep into the chain and the next pass mostly drafts
+from the text again; the streams matter where it fails, near the root, and a stream row at
+every chain node would cost every pass. A path that ends in the chain takes the root's drafts
+for its next step: made for other positions, they are rarely accepted, and verify keeps the
+output exact whatever they are. The chain comes first in the template, so a path along it is
+already in place in the cache, and the CPU's eager cache then moves nothing (`LeanKVCache`,
+extras/kernels.py).
 
-Two rules keep it exact. The streams never propose the lookup's first token (`draft_tree`
-in step.py takes it out of q_1 before the candidates are ranked or drawn), so the children of
-every node hold distinct tokens, as in a tree of the streams alone: no node repeats another,
-and one path is accepted. q_1 without that token is a distribution fixed by the decoded text
-before any draw, so speculative sampling with it stays exact. Under sampling a lookup draft is
-a point mass: the root and every node of the chain but the last try the lookup's next token
-first (sampling.py), accepted with probability p(y), and on rejection p loses y before q's
-candidates are tried.
+Two rules keep it exact. The streams never propose the lookup's first token (`Sampler.draft`
+takes it out of q_1 and ranks it last, for `draft_tree` in step.py), so the children of every
+node hold distinct tokens, as in a tree of the streams alone: no node repeats another, and one
+path is accepted. q_1 without that token is a distribution fixed by the decoded text before any
+draw, so speculative sampling with it stays exact. Under sampling a lookup draft is a point
+mass: the root and every node of the chain but the last try the lookup's next token first
+(sampling.py), accepted with probability p(y), and on rejection p loses y before q's candidates
+are tried.
 """
 import torch
 
@@ -55,22 +57,29 @@ class LookupTree(CartesianTree):
         self.lookup_length = self.chain = int(length)
         self.n_nodes += self.chain
 
+    def bind(self, config, device, dtype, batch_size=1):
+        if self.ks and self.ks[0] >= config.vocab_size:  # the text's first token is not for them
+            raise ValueError(f"tree {self} asks for {self.ks[0]} stream candidates at depth 1 "
+                             f"besides the text's token; the vocabulary has {config.vocab_size}")
+        return super().bind(config, device, dtype, batch_size)
+
     def paths(self, depth, width):
-        """The root, the lookup chain (a path along it is a prefix of the pass: nothing moves in
-        the cache, extras/kernels.py), then the streams' nodes."""
+        """The root, the lookup chain (a path along it is a prefix of the pass, in place in the
+        cache), then the streams' nodes."""
         streams = super().paths(depth, width)
         return streams[:1] + [(-1,) * j for j in range(1, self.chain + 1)] + streams[1:]
 
     def lookup(self, contexts):
         """Each row's lookup chain (B, length) on the device from its decoded tokens, the root
-        last; a row with no earlier occurrence drafts token 0 (verified like any draft)."""
+        last; a row with no earlier occurrence drafts token 0s (verified like any draft; the
+        streams then leave token 0 to the chain)."""
         chains = [lookup(c, self.chain) or [0] * self.chain for c in contexts]
         return torch.tensor(chains, device=self.template.depth.device)
 
     def look(self, lookup):
         """The token from the text that each node tries first when sampling (B, n), -1 for none:
         the root the chain's first, each node of the chain the next; the chain's last and the
-        stream nodes none (no stream node holds the chain's first token: step.draft_tree)."""
+        stream nodes none (no stream node holds the chain's first token: `Sampler.draft`)."""
         rest = lookup.new_full((lookup.shape[0], self.n_nodes - self.chain), -1)
         return torch.cat([lookup, rest], 1)
 
