@@ -127,6 +127,9 @@ def check_flags(cfg):
     check(cfg, RULES)
     if not cfg["speculative"]:
         warn_unused(cfg, config, ("tree", "prune_threshold", "color"), "without --speculative")
+    elif cfg["tree"] == "auto":
+        raise UsageError("--tree=auto is bench.py's tree search: give sample.py a tree (e.g. "
+                         "--tree=1,1,1 or 1+L8; python bench.py prints the one it picks)")
     elif cfg["prune_threshold"] and cfg["temperature"] > 0:
         raise UsageError(f"--prune_threshold is greedy only (it would bias sampling at "
                          f"--temperature={cfg['temperature']}): add --temperature=0")

@@ -103,6 +103,8 @@ RULES = dict(
                "checkpoint that exists"),
     meta_pkl=(lambda v: not v or os.path.isfile(v),
               "the path of a nanoGPT meta.pkl that exists (or empty)"),
+    dataset=(lambda v: v in ("python", "shakespeare") or v.startswith("text:"),
+             "python, shakespeare or text:PATH"),
 )
 STREAM_KEYS = ("n_streams", "n_msa_layers", "stream_loss_weight", "stream_targets",
                "stream_stride", "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank",

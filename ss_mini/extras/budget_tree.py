@@ -104,4 +104,6 @@ def make_tree(spec, n_streams):
         raise ValueError(usage) from None
     if len(ks) > n_streams:
         raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
+    if min(ks) < 1:
+        raise ValueError(f"--tree={spec}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
     return CartesianTree(ks)
