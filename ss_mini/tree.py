@@ -35,8 +35,7 @@ class TreeShape:
     of the drafts (B * depths drafted) its children come from. What accept needs: path
     (B, n, D+1), the nodes root..u, padded with u; stream_row (B * n), whose streams draft after
     u among the B * m: u's, its root's for a draft from the text (None: u's). gather (B, n-1):
-    where nodes 1..n-1 find their tokens, (depth - 1) * width + rank among the candidates, or
-    past them."""
+    where nodes 1..n-1 find their tokens: (depth - 1) * width + rank, or past the candidates."""
 
     def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
         B, n = sel.shape
@@ -107,8 +106,9 @@ class Tree:
         key = (draft_depth, config.block_size, str(device), dtype, width)
         if getattr(self, "_key", None) != key:
             self._key, self.draft_depth, self.width = key, draft_depth, width
-            # the cache's slots: the accepted tokens, then a pass's rows
-            self.max_len = config.block_size + len(self) * (1 + draft_depth)
+            # the cache's slots: the accepted tokens, then a pass's rows (text drafts: no streams)
+            carriers = len(self) - self.lookup_length
+            self.max_len = config.block_size + len(self) + carriers * draft_depth
             paths = self.paths(draft_depth, width)
             self.template = Template(paths, width, draft_depth, device, dtype)
             self.is_chain = self.template.is_chain
