@@ -179,6 +179,7 @@ class GPT(nn.Module):
         if config.n_streams:
             self.stream_emb = nn.Parameter(torch.zeros(config.n_streams, config.n_embd))  # P
         self._masks = {}  # training's pass masks, by length and positions with streams
+        self.kv_memory = {}  # the decoders' KV cache tensors, by size: reused (kvcache.py)
         self.init_weights()
 
     def init_weights(self):

@@ -91,7 +91,7 @@ def verify(draft, main_logits, sampler, depth_limit):
     miss |= shape.depth > depth_limit.unsqueeze(1)
     n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
     last = n_accepted.argmax(1) + shape.first_node
-    return Verified(targets, n_accepted.take(last), last)
+    return Verified(targets, n_accepted.flatten().index_select(0, last), last)
 
 
 def accept(cache, draft, verified, stream_logits, tree):
@@ -106,10 +106,11 @@ def accept(cache, draft, verified, stream_logits, tree):
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
         cache.accept(path, n_accepted)
         emitted = verified.targets.gather(1, path)
-    row = last if draft.shape.stream_row is None else draft.shape.stream_row.take(last)
+    row = last if draft.shape.stream_row is None else draft.shape.stream_row.index_select(0, last)
     next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) stays
                    else stream_logits.flatten(0, 1).index_select(0, row))
-    return Step(n_accepted, emitted, verified.targets.take(last), next_drafts, draft.shape.n_nodes)
+    root = verified.targets.flatten().index_select(0, last)  # (index_select: MPS has no take)
+    return Step(n_accepted, emitted, root, next_drafts, draft.shape.n_nodes)
 
 
 def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,
@@ -145,15 +146,17 @@ def ar_step(model, cache, root, sampler, window):
 @torch.no_grad()
 def prefill(model, contexts, draft_depth, cache_slots=None):
     """One pass over each row's context, right-padded to the longest (padding comes after a row's
-    tokens, where nothing real looks): (a new cache with these rows, the main logits at each
-    row's last token (B, V), its draft logits (B, D, V), D = 0 if draft_depth = 0). cache_slots:
-    the new cache's size (None: the contexts and the last streams, for `KVCache.put_rows`)."""
+    tokens, where nothing real looks): (a cache with these rows, the main logits at each row's
+    last token (B, V), its draft logits (B, D, V), D = 0 if draft_depth = 0). cache_slots: the
+    decoder's cache size, its memory the model's from the last decode of this size (None: a new
+    cache of the contexts and the last streams, for `KVCache.put_rows`)."""
     w = model.lm_head.weight
     B, n = len(contexts), max(map(len, contexts))
     idx = torch.tensor([c + c[-1:] * (n - len(c)) for c in contexts], device=w.device)
     last = torch.tensor([len(c) - 1 for c in contexts], device=w.device)[:, None]  # (B, 1)
     g = model.streams_in_pass(draft_depth)
-    cache = model.cache_class(model.config, cache_slots or n + g, B, device=w.device, dtype=w.dtype)
+    cache = model.cache_class(model.config, cache_slots or n + g, B, device=w.device,
+                              dtype=w.dtype, memory=model.kv_memory if cache_slots else None)
     causal = torch.ones(n, n, dtype=torch.bool, device=w.device).tril().expand(B, n, n)
     window = attention_window(pass_mask(causal, g, stream_idx=last), cache.max_len, w.dtype)
     main_logits, draft_logits = model.forward_nodes(

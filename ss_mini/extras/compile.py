@@ -6,9 +6,13 @@ the graph is replayed as a CUDA graph (mode="reduce-overhead"): inductor records
 when every tensor the step writes in place has a static address, so the cache's tensors are
 marked static (`mark_static`), and the outputs are copied out of the graph's memory before
 the next replay overwrites them. On a CPU it runs inductor's C++ wrapper with the weights
-frozen into the graph (compile a trained model, not one that will still learn); MPS decodes
-eagerly. The first steps pay the compilation (seconds per tree and batch size on a CPU).
+frozen into the graph: a model whose weights change in place afterwards is refused in one
+line. MPS decodes eagerly (and says so once). The first steps pay the compilation (seconds per
+tree and batch size on a CPU).
 """
+import warnings
+import weakref
+
 import torch
 from torch._inductor import config as inductor_config
 from torch.utils._pytree import tree_map
@@ -17,6 +21,9 @@ from ..sampling import Sampler
 
 MAX_GRAPHS = 64  # graphs one step function may keep in a process (trees x batch sizes x models)
 _SEEN = {}  # per step function, what its graphs are specialised on: dynamo counts per function
+# per model, its weights and their versions when a CPU graph first froze them: dynamo keeps its
+# graphs per step function, so every compiled step of the process shares this
+_FROZEN = weakref.WeakKeyDictionary()
 
 
 def mark_static(cache):
@@ -54,11 +61,18 @@ def _raise_recompile_limit():
 def compile_step(step):
     """`step` compiled for the device of the model it is called with (the first argument)."""
     graphs, seen = {}, _SEEN.setdefault(step, set())
+    warned = []
 
     def run(model, cache, *args, **kwargs):
         device = model.lm_head.weight.device.type
         if device == "mps":
+            if not warned:
+                warned.append(device)
+                warnings.warn("compiled steps: torch.compile does not capture them on MPS; "
+                              "decoding eagerly", stacklevel=2)
             return step(model, cache, *args, **kwargs)
+        if device == "cpu":
+            _check_frozen(model)
         key = (id(model), cache.kv[0].shape[0], *map(_kind, args))
         if key not in seen:
             if len(seen) >= MAX_GRAPHS:
@@ -72,8 +86,20 @@ def compile_step(step):
         if device == "cuda":
             mark_static(cache)
         return graphs[device](model, cache, *args, **kwargs)
-    run.__name__ = f"compiled_{step.__name__}"
+    run.__name__, run.__wrapped__ = f"compiled_{step.__name__}", step
     return run
+
+
+def _check_frozen(model):
+    """Refuse a model whose weights changed in place (an optimizer step, load_state_dict) since a
+    CPU graph froze them: the graph would decode with the old ones."""
+    if model not in _FROZEN:
+        params = list(model.parameters())
+        _FROZEN[model] = params, [p._version for p in params]
+    params, versions = _FROZEN[model]
+    if [p._version for p in params] != versions:
+        raise RuntimeError("the model's weights changed since a compiled CPU step froze them: "
+                           "decode it with the eager step, or compile in a new process")
 
 
 def _compile(step, device):
