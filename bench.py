@@ -110,6 +110,9 @@ config = dict(
     shape="",
     # also run both decoders with the forward pass compiled (torch.compile), interleaved with eager
     compile=False,
+    # eager decoding on a CPU with packed weights and a lean cache, for both decoders
+    # (extras/kernels.py, the same values); False: the method's own classes (README: code paths)
+    lean=True,
     plot="",  # FILE.png: the tree search's speedup and tau against tree nodes (needs matplotlib)
 )
 RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=at_least(1),
@@ -148,7 +151,7 @@ def searched(cfg):
 def load_drafter(cfg, device, dtype):
     """(model, tokenizer, checkpoint) of --out_dir, a model with a drafter; a --tree that does
     not fit it is an error before any work."""
-    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
+    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype), cfg["lean"])
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with "
                          "--n_streams=3")

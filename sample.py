@@ -59,6 +59,9 @@ config = dict(
     threads=0,  # torch CPU threads; 0 = torch's default
     # compile each decoding step whole (torch.compile); compiling takes tens of seconds first
     compile=False,
+    # eager decoding on a CPU with packed weights and a lean cache (extras/kernels.py, the same
+    # values); False: the method's own classes, as on other devices (README: code paths)
+    lean=True,
     trace="",  # FILE.html or FILE.json: record every pass of the first sample (with --speculative)
 )
 RULES = dict(num_samples=at_least(1), max_new_tokens=at_least(1), temperature=at_least(0.0),
@@ -153,7 +156,7 @@ def load(cfg):
     dtype = pick_dtype(cfg["dtype"], device)
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype))
+    model, tok, _ = load_model(cfg["out_dir"], device, getattr(torch, dtype), cfg["lean"])
     print(f"model {cfg['out_dir']}/ckpt.pt on {device} ({dtype})"
           + (", compiling" if cfg["compile"] else ""), file=sys.stderr)
     return model, tok

@@ -1,6 +1,7 @@
-"""The two decoders: KV-cached autoregressive (`generate_ar`) and Speculative Streaming
-(`generate_speculative`), each a loop around one step (step.py) over the rows of a `Batch`.
-Both take one prompt or a batch of prompts of any lengths and return (new tokens, Stats).
+"""The two decoders: KV-cached autoregressive decoding (`generate_ar`) and Speculative Streaming
+(`generate_speculative`), each a short loop around one step (step.py). Both take one prompt or a
+batch of prompts of any lengths and return (new tokens, Stats); the rows of a batch (prompts
+waiting, rows joining, the sliding window of a full row) are serving.py's `Batch`.
 
 Greedy outputs are those of `generate_ar` token for token, up to float near-ties (a tree pass
 multiplies other shapes than a one-token pass; the tests check equality in float64), and a row
@@ -8,206 +9,11 @@ of a batch decodes as it would alone. Sampled outputs follow plain sampling's di
 exactly; rows of a batch share one generator, so they match a lone decode in distribution only.
 A full row is rebuilt from its last block_size // 2 tokens (one prefill), in both decoders.
 """
-import time
-import warnings
-from dataclasses import dataclass, field
-
 import torch
 
 from .sampling import Sampler
-from .step import ar_step, ar_window, prefill, speculative_step
-
-
-@dataclass
-class Stats:
-    new_tokens: int = 0
-    passes: int = 0  # forward passes of the batch, prefill and cache rebuilds included
-    accepted: list = field(default_factory=list)  # tokens a row emitted per decode pass
-    nodes: list = field(default_factory=list)  # tree nodes verified per decode pass
-    seconds: float = 0.0
-    row_seconds: list = field(default_factory=list)  # when each prompt's output was complete
-    # at full strength: until a row finished with no prompt waiting (a lone prompt: all its decode)
-    full_tokens: int = 0
-    full_seconds: float = 0.0
-    full_passes: int = 0
-
-    @property
-    def tokens_per_s(self):
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def mean_accepted(self):
-        """tau: tokens a row emits per decode pass, its accepted drafts + 1."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
-
-
-def prepare(model, prompts, max_new_tokens, cache_slots, batch_size=None):
-    """(the prompts as a list of token lists, whether one prompt was given). A prompt is a list
-    of ints or a 1-D tensor; a batch a list of them or a 2-D tensor. A prompt longer than
-    block_size keeps what the sliding window would keep; bad input is a one-line ValueError."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() not in (1, 2):
-            raise ValueError(f"prompts of shape {tuple(prompts.shape)}: give (T,) or (B, T)")
-        prompts = prompts.tolist()
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least 1 token")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: decode at least 1 prompt at a time")
-    single = len(prompts) == 0 or not isinstance(prompts[0], (list, tuple, torch.Tensor))
-    as_list = lambda p: p.tolist() if isinstance(p, torch.Tensor) else list(p)
-    batch = [as_list(prompts)] if single else [as_list(p) for p in prompts]
-    if not batch:
-        raise ValueError("no prompts: give a token list, or a list of token lists")
-    T = model.config.block_size
-    for i, p in enumerate(batch):
-        if not p:
-            where = "" if single else f" (prompt {i} of the batch)"
-            raise ValueError(f"empty prompt{where}: give at least one token (e.g. a newline)")
-        if len(p) > T:
-            warnings.warn(f"prompt of {len(p)} tokens is longer than block_size={T}: keeping "
-                          f"its last {T // 2}, as the sliding window would")
-            batch[i] = p[-(T // 2):]
-    w = model.lm_head.weight
-    rows = min(len(batch), batch_size or len(batch))
-    need = model.config.n_layer * 2 * rows * cache_slots * model.config.n_embd * w.element_size()
-    free = _free_memory(w.device)
-    if free is not None and need > free:
-        raise ValueError(f"a batch of {rows} rows needs a KV cache of {need / 2**30:.1f} GiB and "
-                         f"{w.device} has {free / 2**30:.1f} GiB free: decode fewer at once")
-    return batch, single
-
-
-def _free_memory(device):
-    """Bytes free on the device (None where unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return 1024 * next(int(line.split()[1]) for line in f if line.startswith("MemAvail"))
-    except (OSError, StopIteration):
-        return None
-
-
-class Batch:
-    """The rows being decoded: each row's context and output on the host, its cache row, root
-    and drafts on the device. At most max_rows prompts decode at once; a row that finishes
-    (end-of-text, max_new_tokens) hands its place to the next prompt waiting (one prefill pass
-    for the prompts that join). When none waits, a finished row rides along, its tokens
-    dropped, until every row is done: the batch keeps its size, so every step has the same
-    shapes (one compiled graph). A row whose cache is full is rebuilt from its last
-    block_size // 2 tokens (the sliding window of one sequence, row by row)."""
-
-    def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, draft_depth, cache_slots,
-                 sampler, max_rows=None):
-        self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
-        self.draft_depth, self.sampler = draft_depth, sampler
-        self.t0 = time.perf_counter()
-        self.stats = Stats(passes=1, row_seconds=[0.0] * len(prompts))
-        self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens
-        self.out = [[] for _ in prompts]
-        self.started = [self.t0] * len(prompts)  # when each prompt took a row
-        self.done, self.emitted = set(), 0  # prompts complete; tokens emitted (not end-of-text)
-        n = min(max_rows or len(prompts), len(prompts))
-        self.rows, self.queue = list(range(n)), list(range(n, len(prompts)))  # prompt of each row
-        self.last_token = [None] * n  # each row's root: its last token, cached by the next pass
-        self.cache, logits, self.drafts = prefill(model, [self.ctx[b] for b in self.rows],
-                                                  draft_depth, cache_slots)
-        self.roots = sampler.pick(logits)  # the same roots, on the device
-        self.going = self.emit([[t] for t in self.roots.tolist()], cached=False)
-
-    def emit(self, new, cached=True):
-        """Each row's new tokens (a list per row: a pass's accepted drafts and the next root);
-        the pass cached the previous root and the drafts (cached=False: a prefill's roots).
-        Finished rows hand their place on; full caches are rebuilt. False when all is done."""
-        finished = False
-        for i, (b, toks) in enumerate(zip(self.rows, new)):
-            if not toks:  # a row that did not take part (a prompt joining beside it)
-                continue
-            if cached:  # the cache's length is len(ctx[b]) on the host
-                self.ctx[b] += [self.last_token[i]] + toks[:-1]
-            self.last_token[i] = toks[-1]
-            if b not in self.done:
-                finished |= self._output(b, toks, cached)
-        if finished:
-            free = [i for i, b in enumerate(self.rows) if b in self.done]
-            if len(free) > len(self.queue) and not self.stats.full_seconds:  # fewer rows from now
-                st = self.stats
-                st.full_tokens, st.full_passes = self.emitted, st.passes
-                st.full_seconds = time.perf_counter() - self.t0
-            if self.queue:
-                return self.join(free[:len(self.queue)])
-            if len(self.done) == len(self.out):
-                return False
-        self._slide()
-        return True
-
-    def _output(self, b, toks, cached):
-        """Add a pass's tokens to prompt b's output; True when it is complete."""
-        out = self.out[b]
-        if self.eot in toks:
-            toks = toks[:toks.index(self.eot) + 1]
-        toks = toks[:self.max_new - len(out)]
-        out += toks
-        if cached:
-            self.stats.accepted.append(len(toks))  # a pass cut short counts what it emitted
-        shown = [t for t in toks if t != self.eot]
-        self.emitted += len(shown)
-        if self.on_tokens and shown:
-            self.on_tokens(b, shown)
-        if (out and out[-1] == self.eot) or len(out) >= self.max_new:
-            self.stats.row_seconds[b] = time.perf_counter() - self.started[b]
-            self.done.add(b)
-            return True
-        return False
-
-    def _slide(self):
-        """Rows whose cache is full keep their last block_size // 2 tokens (one prefill pass);
-        a finished row riding along only moves back, its tokens being dropped anyway."""
-        T = self.model.config.block_size
-        full = [i for i, b in enumerate(self.rows) if len(self.ctx[b]) == T]
-        if not full:
-            return
-        for i in full:
-            self.ctx[self.rows[i]] = self.ctx[self.rows[i]][-(T // 2):]
-        live = [i for i in full if self.rows[i] not in self.done]
-        if len(live) < len(full):
-            back = torch.zeros_like(self.cache.length)
-            back[[i for i in full if i not in live]] = T // 2 - T
-            self.cache.advance(back)
-        if live:
-            self._fill(live)
-
-    def join(self, free):
-        """The next prompts waiting take the rows `free`: one prefill pass, their first tokens."""
-        for i in free:
-            b = self.rows[i] = self.queue.pop(0)
-            self.started[b] = time.perf_counter()
-        logits = self._fill(free)
-        roots = self.sampler.pick(logits)
-        self.roots[torch.tensor(free, device=roots.device)] = roots
-        new = [[t] for t in self.roots.tolist()]  # the others' roots: emitted already
-        return self.emit([new[i] if i in free else [] for i in range(len(new))], cached=False)
-
-    def _fill(self, rows):
-        """Rows of the batch replaced by a prefill of their contexts (one pass); their logits."""
-        cache, logits, drafts = prefill(self.model, [self.ctx[self.rows[i]] for i in rows],
-                                        self.draft_depth)
-        index = torch.tensor(rows, device=cache.length.device)
-        self.cache.put_rows(index, cache)
-        self.drafts[index] = drafts
-        self.stats.passes += 1
-        return logits
-
-    def contexts(self):
-        """Each row's decoded tokens, its root last (drafts from the text: extras/lookup.py)."""
-        return [self.ctx[b] + [t] for b, t in zip(self.rows, self.last_token)]
-
-    def finish(self, single):
-        """The outputs (end-of-text dropped) and the Stats."""
-        outs = [o[:-1] if o and o[-1] == self.eot else o for o in self.out]
-        self.stats.new_tokens = sum(map(len, outs))
-        self.stats.seconds = time.perf_counter() - self.t0
-        return (outs[0] if single else outs), self.stats
+from .serving import Batch, Stats, check_memory, prepare  # noqa: F401 (Stats: the result)
+from .step import ar_step, ar_window, speculative_step
 
 
 @torch.inference_mode()
@@ -219,17 +25,19 @@ def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top
     tokens (a list, or a list per prompt) and Stats. on_tokens(prompt index, tokens) gets each
     pass's tokens as soon as they are final. batch_size: at most this many prompts decode at
     once, the next taking the place of one that finishes (None: all at once)."""
-    T = model.config.block_size
-    batch, single = prepare(model, prompts, max_new_tokens, T, batch_size)
+    T, V = model.config.block_size, model.config.vocab_size
+    prompts, single = prepare(model, prompts, max_new_tokens, batch_size)
+    B = min(len(prompts), batch_size or len(prompts))
+    check_memory(model, B, T, 1)
     sampler = Sampler(temperature, top_k, top_p, seed, model.lm_head.weight.device)
-    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, 0, T, sampler, batch_size)
-    window, V, going = ar_window(rows.cache), model.config.vocab_size, rows.going
+    batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, 0, T, sampler, batch_size)
+    window, going = ar_window(batch.cache), batch.going
     while going:
-        sampler.draw_ahead(pick=(len(rows.rows), V))
-        rows.roots = step(model, rows.cache, rows.roots, sampler, window)
-        rows.stats.passes += 1
-        going = rows.emit([[t] for t in rows.roots.tolist()])  # the one host read per step
-    return rows.finish(single)
+        sampler.draw_ahead(B, V)
+        batch.roots = step(model, batch.cache, batch.roots, sampler, window)
+        batch.stats.passes += 1
+        going = batch.emit([[t] for t in batch.roots.tolist()])  # the one host read per step
+    return batch.finish(single)
 
 
 @torch.inference_mode()
@@ -245,21 +53,22 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with "
                          "--n_streams=3, or decode without --speculative")
-    batch, single = prepare(model, prompts, max_new_tokens, cfg.block_size, batch_size)
-    B = min(len(batch), batch_size or len(batch))
+    prompts, single = prepare(model, prompts, max_new_tokens, batch_size)
+    B = min(len(prompts), batch_size or len(prompts))
     tree.bind(cfg, w.device, w.dtype, B)
+    check_memory(model, B, tree.max_len, tree.max_len - cfg.block_size)
     sampler = Sampler(temperature, top_k, top_p, seed, w.device)
-    rows = Batch(model, batch, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len,
-                 sampler, batch_size)
-    going, V, n, D, W = rows.going, cfg.vocab_size, len(tree), tree.draft_depth, tree.width
+    batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len,
+                  sampler, batch_size)
+    going = batch.going
     while going:
-        sampler.draw_ahead(draft=(B, D, V), look=(B * n, 1), verify=(B * n, W), residual=(B * n, V))
-        lookup = tree.lookup(rows.contexts()) if tree.lookup_length else None
-        out = step(model, rows.cache, rows.roots, rows.drafts, tree, sampler, observe=observe,
+        sampler.draw_ahead(B, cfg.vocab_size, tree)
+        lookup = tree.lookup(batch.contexts()) if tree.lookup_length else None
+        out = step(model, batch.cache, batch.roots, batch.drafts, tree, sampler, observe=observe,
                    lookup=lookup)
-        rows.roots, rows.drafts = out.root, out.draft_logits
+        batch.roots, batch.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read
-        rows.stats.passes += 1
-        rows.stats.nodes.append(out.n_nodes)
-        going = rows.emit([row[1:1 + row[0]] for row in emitted])
-    return rows.finish(single)
+        batch.stats.passes += 1
+        batch.stats.nodes.append(out.n_nodes)
+        going = batch.emit([row[1:1 + row[0]] for row in emitted])
+    return batch.finish(single)

@@ -158,7 +158,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    cache_class = KVCache  # decoding's KV cache; build_model gives a CPU's eager steps a leaner one
+    cache_class = KVCache  # decoding's KV cache (extras/kernels.py `make_lean`: a CPU's leaner one)
 
     def __init__(self, config):
         super().__init__()

@@ -64,16 +64,30 @@ class Sampler:
         self.drawn = {}  # uniforms drawn ahead of a compiled step, by use
 
     def uniform(self, use, like):
-        """Uniform draws shaped like `like` for one use in a step ('pick', 'draft', 'look',
-        'verify', 'residual'): drawn now, or taken from `draw_ahead`."""
+        """Uniform draws shaped like `like` for one use in a step (`draw_ahead` lists them):
+        taken from `draw_ahead`, or drawn now."""
         u = self.drawn.pop(use, None)
-        return torch.rand(like.shape, generator=self.gen, device=like.device) if u is None else u
+        if u is None:
+            return torch.rand(like.shape, generator=self.gen, device=like.device)
+        if u.shape != like.shape:
+            raise RuntimeError(f"'{use}' draws made for {tuple(u.shape)} are used at "
+                               f"{tuple(like.shape)}: Sampler.draw_ahead and the step disagree")
+        return u
 
-    def draw_ahead(self, **shapes):
-        """The draws of the next step, made before it: a compiled step cannot call the generator."""
-        if self.gen is not None:
-            self.drawn = {use: torch.rand(*shape, generator=self.gen, device=self.gen.device)
-                          for use, shape in shapes.items()}
+    def draw_ahead(self, batch_size, vocab_size, tree=None):
+        """Every uniform draw of the next step, made before it (a compiled step cannot call the
+        generator), by use. A plain step (tree None): 'pick' (B, V), the race of `pick`. A
+        speculative step over n nodes: 'draft' (B, D, V), the race that ranks each depth's
+        candidates; 'look' (B n, 1), a draft from the text tried first; 'verify' (B n, width),
+        child r of each node accepted or not; 'residual' (B n, V), the draw where none is."""
+        if self.gen is None:
+            return
+        B, V, n = batch_size, vocab_size, len(tree) if tree is not None else 0
+        shapes = (dict(pick=(B, V)) if tree is None else
+                  dict(draft=(B, tree.draft_depth, V), look=(B * n, 1),
+                       verify=(B * n, tree.width), residual=(B * n, V)))
+        self.drawn = {use: torch.rand(*shape, generator=self.gen, device=self.gen.device)
+                      for use, shape in shapes.items()}
 
     def probs(self, logits):
         return target_probs(logits, self.temperature, self.top_k, self.top_p)

@@ -14,12 +14,13 @@ from ss_mini import build_model  # noqa: E402
 # the scripts the tests start inherit it)
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+from ss_mini.extras.kernels import make_lean  # noqa: E402
 from ss_mini.model import GPTConfig  # noqa: E402
 
 
-def random_model(seed=0, dtype=torch.float64, std=None, **kw):
+def random_model(seed=0, dtype=torch.float64, std=None, lean=False, **kw):
     """A random untrained model; std > 0.02 makes its distributions peaked (drafts then match
-    often)."""
+    often); lean: with the eager CPU kernels of the scripts (extras/kernels.py `make_lean`)."""
     torch.manual_seed(seed)
     args = dict(n_layer=3, n_head=2, n_embd=16, block_size=32, vocab_size=11, n_streams=3,
                 n_msa_layers=2)
@@ -30,7 +31,8 @@ def random_model(seed=0, dtype=torch.float64, std=None, **kw):
             for name, p in model.named_parameters():
                 if p.dim() >= 2 or name == "stream_emb":
                     p.normal_(0.0, std)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    return make_lean(model) if lean else model
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import torch
 from conftest import random_model
 from test_generate import SAMPLING, _chi_square_ok, _exact_first_tokens
 
-from ss_mini import generate
+from ss_mini import serving
 from ss_mini.generate import generate_ar, generate_speculative
 from ss_mini.kvcache import KVCache
 from ss_mini.sampling import Sampler
@@ -167,9 +167,18 @@ def test_bad_batches_are_one_line_errors(monkeypatch):
         generate_ar(model, [[1, 2], [], [3]], 5)
     with pytest.raises(ValueError, match="empty prompt"):
         generate_speculative(model, [], 5, tree)
-    monkeypatch.setattr(generate, "_free_memory", lambda device: 1 << 20)  # 1 MiB free
-    with pytest.raises(ValueError, match=r"a batch of 4000 rows needs a KV cache of .* GiB"):
+    monkeypatch.setattr(serving, "_free_memory", lambda device: 1 << 20)  # 1 MiB free
+    with pytest.raises(ValueError, match=r"a batch of 4000 rows needs .* GiB for its KV cache"):
         generate_speculative(model, [[1]] * 4000, 5, tree)
+    # room for the KV cache but not for a big tree's masks over it
+    big = make_tree("n64", 3).bind(model.config, "cpu", model.lm_head.weight.dtype)
+    cfg, size = model.config, model.lm_head.weight.element_size()
+    kv = 2 * big.max_len * cfg.n_layer * 2 * cfg.n_embd * size
+    monkeypatch.setattr(serving, "_free_memory", lambda device: kv + 1)
+    generate_speculative(model, [[1], [2]], 5, make_tree("1", 3))
+    with pytest.raises(ValueError, match=r"a batch of 2 rows needs .* GiB for its KV cache and "
+                                         "masks"):
+        generate_speculative(model, [[1], [2]], 5, big)
     with pytest.raises(ValueError, match=r"prompts of shape \(1, 2, 1\)"):
         generate_ar(model, torch.tensor([[[1], [2]]]), 5)
     with pytest.raises(ValueError, match=r"prompts of shape \(1, 2, 1\)"):

@@ -29,7 +29,8 @@ TREES = (["1", "1,1,1", "4,1,1", "1,1,3", "5,3", "3,2,1", "2,2,2"]
                          ids=["streams", "medusa"])
 def test_greedy_identity_random_models(spec, drafter):
     for seed in range(3):
-        model = random_model(seed=seed, std=0.4, **drafter)
+        # the method's classes, and (seed 0) the eager CPU kernels the scripts use
+        model = random_model(seed=seed, std=0.4, lean=seed == 0, **drafter)
         tree = make_tree(spec, 3)
         gen = torch.Generator().manual_seed(seed)
         for _ in range(4):
@@ -61,6 +62,17 @@ def test_a_shape_has_one_name_per_meaning():
     host = host_shape(shape)
     assert torch.is_tensor(shape.depth) and not hasattr(shape, "depths")
     assert host.depths == [0, 1, 2, 1, 2] and not hasattr(host, "depth")  # depth-first
+
+
+def test_a_loaded_model_decodes_through_the_method_unless_asked(tiny_ckpt):
+    """load_model gives the method's own classes; lean=True (the scripts' --lean) the CPU's."""
+    from ss_mini.extras.kernels import LeanKVCache, PackedLinear
+    for lean, cache, linear in ((False, KVCache, torch.nn.Linear), (True, LeanKVCache,
+                                                                    PackedLinear)):
+        model = load_model(tiny_ckpt, lean=lean)[0]
+        assert model.cache_class is cache and type(model.lm_head) is linear
+    plain = GPT(model.config)  # as GPT(config) does
+    assert plain.cache_class is KVCache and type(plain.lm_head) is torch.nn.Linear
 
 
 def test_greedy_identity_trained_model(tiny_ckpt):
@@ -168,8 +180,7 @@ def test_mark_static_marks_every_tensor_a_step_writes(spec, kw):
     mark_static(cache)
     with torch.no_grad():  # (not inference_mode: its tensors keep no version counter)
         for run in ("speculative", "ar"):
-            sampler.draw_ahead(draft=(2, tree.draft_depth, 11), verify=(2 * len(tree), tree.width),
-                               residual=(2 * len(tree), 11), pick=(2, 11))
+            sampler.draw_ahead(2, 11, tree if run == "speculative" else None)
             reachable = _tensors([cache, sampler, tree, root, drafts])
             before = [(t, t._version) for t in reachable]
             if run == "speculative":

@@ -559,11 +559,13 @@ def test_linear_pack_needs_both_mkl_ops_and_is_freed_for_training_and_moves():
 
 def test_pack_linears_keeps_the_values():
     """pack_linears turns every nn.Linear (LM head, Medusa heads included) into PackedLinear in
-    place, with the same weights and outputs; build_model packs."""
+    place, with the same weights and outputs; make_lean packs, build_model does not."""
     for drafter in (dict(n_streams=3), dict(n_streams=0, n_medusa_heads=2)):
-        model = random_model(std=0.3, dtype=torch.float32, **drafter)
+        model = random_model(std=0.3, dtype=torch.float32, lean=True, **drafter)
         assert all(type(m) is PackedLinear
                    for m in model.modules() if isinstance(m, torch.nn.Linear))
+        plain = random_model(std=0.3, dtype=torch.float32, **drafter)
+        assert not any(type(m) is PackedLinear for m in plain.modules())
         plain = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 8)).eval()
         x = torch.randn(3, 256)
         with torch.inference_mode():

@@ -69,6 +69,16 @@ class PackedLinear(nn.Linear):
         return super()._apply(fn, *args, **kwargs)
 
 
+def make_lean(model):
+    """The eager CPU path, asked for by the scripts (`--lean=True`): the model's big Linear
+    layers packed (`PackedLinear`) and its decoders' cache `LeanKVCache`; the same values (tested).
+    On other devices, compiled and in training both fall back to what they replace. In place;
+    returns the model."""
+    pack_linears(model)
+    model.cache_class = LeanKVCache
+    return model
+
+
 def pack_linears(model):
     """The model's nn.Linear layers (LM head and Medusa heads included) become PackedLinear,
     in place; the same weights, the same values. Returns the model."""

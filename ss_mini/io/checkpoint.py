@@ -13,6 +13,7 @@ import torch
 
 from .data import Tokenizer, prepare
 from ..extras import build_model
+from ..extras.kernels import make_lean
 from ..model import GPTConfig
 from .nanogpt import looks_like_nanogpt
 
@@ -62,13 +63,14 @@ def make_checkpoint(model, **extra):
     return {"model": raw.state_dict(), "model_args": asdict(raw.config), **extra}
 
 
-def load_model(path, device="cpu", dtype=torch.float32):
-    """(model in eval mode, tokenizer, checkpoint) from an out_dir or a ckpt.pt path."""
+def load_model(path, device="cpu", dtype=torch.float32, lean=False):
+    """(model in eval mode, tokenizer, checkpoint) from an out_dir or a ckpt.pt path. lean: the
+    eager CPU path (extras/kernels.py `make_lean`), else the method's own classes."""
     ckpt = load_checkpoint(path)
     model = build_model(model_config(ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     model.to(device=device, dtype=dtype).eval()
-    return model, Tokenizer(ckpt["tokenizer"]), ckpt
+    return make_lean(model) if lean else model, Tokenizer(ckpt["tokenizer"]), ckpt
 
 
 def training_data(ckpt):

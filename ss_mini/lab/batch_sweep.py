@@ -32,7 +32,7 @@ def batch_sweep(cfg, device, dtype, progress, log, mode):
     columns are plain decoding's runs). Sizes 1..32, and on while plain decoding's throughput
     still grows by 10% a doubling. mode: bench's words for the decoding mode. Returns the JSON
     result."""
-    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype))
+    model, tok, ckpt = load_model(cfg["out_dir"], device, getattr(torch, dtype), cfg["lean"])
     if model.config.n_drafts == 0:
         raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with "
                          "--n_streams=3")

@@ -35,7 +35,7 @@ def compare(dirs, cfg, device, dtype, log):
     """The analogue of the paper's Table 1, for models fine-tuned from one base on one dataset."""
     rows, first = [], None
     for d in dirs:
-        model, tok, ckpt = load_model(d, device, dtype)
+        model, tok, ckpt = load_model(d, device, dtype, cfg["lean"])
         if first is None:
             first = (tok.meta(), ckpt["config"]["dataset"])
             prompts, calibration = pick_prompts(cfg, ckpt, tok)

@@ -281,14 +281,12 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
         plain, spec = compile_step(ar_step), compile_step(speculative_step)
 
     def ar():
-        sampler.draw_ahead(pick=(batch_size, cfg.vocab_size))
+        sampler.draw_ahead(batch_size, cfg.vocab_size)
         plain(model, caches["ar"][0], root, sampler, window).tolist()
 
     def ss(n, t):
         cache, _, q = caches[n]
-        B, V = batch_size * n, cfg.vocab_size
-        sampler.draw_ahead(draft=(batch_size, t.draft_depth, V), look=(B, 1), verify=(B, t.width),
-                           residual=(B, V))
+        sampler.draw_ahead(batch_size, cfg.vocab_size, t)
         spec(model, cache, root, q, t, sampler).n_emitted.tolist()
 
     steps_of = {"ar": ar, "products ar": products(model, 1, draft_depth=0, batch_size=batch_size),

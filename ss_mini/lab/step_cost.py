@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..extras import build_model
+from ..extras.kernels import make_lean
 from ..generate import generate_speculative
 from ..io.checkpoint import load_model, model_config
 from ..io.cli import UsageError
@@ -61,7 +62,7 @@ def cost_model(cfg, device, dtype):
     """--pass_cost's model: (model, context of half the block (at most 256 tokens), its name),
     the checkpoint's or a random model of --shape."""
     if not cfg["shape"]:
-        model, tok, ckpt = load_model(cfg["out_dir"], device, dtype)
+        model, tok, ckpt = load_model(cfg["out_dir"], device, dtype, cfg["lean"])
         if model.config.n_drafts == 0:
             raise UsageError(f"{cfg['out_dir']} has no drafter (n_streams=0): train one with "
                              "--n_streams=3")
@@ -76,6 +77,7 @@ def cost_model(cfg, device, dtype):
                          f"12,12,768,50257 ({e})") from None
     torch.manual_seed(0)
     model = build_model(config).to(device=device, dtype=dtype).eval()
+    model = make_lean(model) if cfg["lean"] else model
     context = torch.randint(0, vocab, (min(config.block_size // 2, 256),)).tolist()
     return model, context, f"random model {cfg['shape']}"
 

@@ -100,7 +100,7 @@ def load_checkpoints(cfg, dirs, device, dtype):
             make += "" if (d, make) == ("out", TRAIN[0]) else f" --out_dir={d}"
             raise UsageError(f"--suite needs {os.path.join(d, 'ckpt.pt')}: make it with `{make}`, "
                              "or point --suite_dirs=CODE_DIR,PROSE_DIR at other checkpoints")
-    loaded = [load_model(d, device, getattr(torch, dtype)) for d in dirs]
+    loaded = [load_model(d, device, getattr(torch, dtype), cfg["lean"]) for d in dirs]
     for d, (model, _, _) in zip(dirs, loaded):
         if model.config.n_drafts == 0:
             raise UsageError(f"{d} has no drafter (n_streams=0): --suite measures models with "
