@@ -40,7 +40,8 @@ from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, p
                             pick_dtype, warn_unused)
 from ss_mini.io.data import describe_fingerprint
 from ss_mini.extras.pruning import pruned_step
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.lab.compare import compare, describe
 from ss_mini.lab.measure import (compiled_steps, machine, over_runs, plain, run_interleaved,
                                  run_kwargs, run_pair, speculative, summarize, threads,
@@ -48,7 +49,7 @@ from ss_mini.lab.measure import (compiled_steps, machine, over_runs, plain, run_
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.step_cost import profile, roofline, step_costs, train_bench
 from ss_mini.lab.suite import suite
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 from ss_mini.extras.lookup import LookupTree
 from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs,
                                      n_prompts, pick_prompts)

@@ -30,10 +30,11 @@ from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, p
                             pick_dtype, warn_unused)
 from ss_mini.extras.compile import compile_step
 from ss_mini.extras.pruning import pruned_step
-from ss_mini.generate import generate_ar, generate_speculative
-from ss_mini.step import ar_step, speculative_step
+from ss_mini.baseline import ar_step, generate_ar
+from ss_mini.generate import generate_speculative
+from ss_mini.step import speculative_step
 from ss_mini.lab.trace import Trace, check_path
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 
 config = dict(
     out_dir="out",

@@ -29,7 +29,7 @@ from ss_mini.extras import build_model
 from ss_mini.extras.distill import stream_teacher
 from ss_mini.extras.medusa import init_medusa_heads
 from ss_mini.model import GPT, GPTConfig
-from ss_mini.io.run_start import MODEL_KEYS, check_config
+from ss_mini.io.run_start import MODEL_KEYS, check_config, make_optimizer
 
 # ----------------------------------------------------------------------------- config
 config = dict(
@@ -424,8 +424,8 @@ def main(argv=None):
     base, draft = model.param_counts()
     run.log(f"model: {base:,} base parameters + {draft:,} draft parameters (stream embeddings, "
             "gamma x d)")
-    optimizer = model.configure_optimizer(cfg["weight_decay"], cfg["learning_rate"],
-                                          (cfg["beta1"], cfg["beta2"]), run.device_type)
+    optimizer = make_optimizer(model, cfg["weight_decay"], cfg["learning_rate"],
+                               (cfg["beta1"], cfg["beta2"]), run.device_type)
     if cfg["init_from"] == "resume":
         optimizer.load_state_dict(source["optimizer"])
     Trainer(cfg, run, model, optimizer, data, tokenizer, corpus, iter_num, ckpt_val).train()

@@ -1,7 +1,7 @@
-"""The two decoders: KV-cached autoregressive decoding (`generate_ar`) and Speculative Streaming
-(`generate_speculative`), each a short loop around one step (step.py). Both take one prompt or a
-batch of prompts of any lengths and return (new tokens, Stats); the rows of a batch (prompts
-waiting, rows joining, the sliding window of a full row) are serving.py's `Batch`.
+"""The decoder of Speculative Streaming, `generate_speculative`: a short loop around one step
+(step.py). It takes one prompt or a batch of prompts of any lengths and returns (new tokens,
+Stats); the rows of a batch (prompts waiting, rows joining, the sliding window of a full row)
+are serving.py's `Batch`. Its baseline, `generate_ar`, is baseline.py's.
 
 Greedy outputs are those of `generate_ar` token for token, up to float near-ties (a tree pass
 multiplies other shapes than a one-token pass; the tests check equality in float64), and a row
@@ -12,32 +12,8 @@ A full row is rebuilt from its last block_size // 2 tokens (one prefill), in bot
 import torch
 
 from .sampling import Sampler
-from .serving import Batch, Stats, check_memory, prepare  # noqa: F401 (Stats: the result)
-from .step import ar_step, ar_window, speculative_step
-
-
-@torch.inference_mode()
-def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                seed=None, eot=None, on_tokens=None, batch_size=None, step=ar_step):
-    """KV-cached autoregressive decoding: one token per row per forward pass (the baseline).
-
-    prompts: a token list, or a list of token lists of any lengths (a batch). Returns the new
-    tokens (a list, or a list per prompt) and Stats. on_tokens(prompt index, tokens) gets each
-    pass's tokens as soon as they are final. batch_size: at most this many prompts decode at
-    once, the next taking the place of one that finishes (None: all at once)."""
-    T, V = model.config.block_size, model.config.vocab_size
-    prompts, single = prepare(model, prompts, max_new_tokens, batch_size)
-    B = min(len(prompts), batch_size or len(prompts))
-    check_memory(model, B, T, 1)
-    sampler = Sampler(temperature, top_k, top_p, seed, model.lm_head.weight.device)
-    batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, 0, T, sampler, batch_size)
-    window, going = ar_window(batch.cache), batch.going
-    while going:
-        sampler.draw_ahead(B, V)
-        batch.roots = step(model, batch.cache, batch.roots, sampler, window)
-        batch.stats.passes += 1
-        going = batch.emit([[t] for t in batch.roots.tolist()])  # the one host read per step
-    return batch.finish(single)
+from .serving import Batch, check_memory, prepare
+from .step import speculative_step
 
 
 @torch.inference_mode()
@@ -46,7 +22,11 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
                          step=speculative_step, observe=None):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
-    prompts, on_tokens, batch_size and the result: as `generate_ar`; tree: from `make_tree`.
+    prompts: a token list, or a list of token lists of any lengths (a batch). Returns the new
+    tokens (a list, or a list per prompt) and Stats. on_tokens(prompt index, tokens) gets each
+    pass's tokens as soon as they are final. batch_size: at most this many prompts decode at
+    once, the next taking the place of one that finishes (None: all at once). tree: from
+    `make_tree`.
     step: speculative_step, compiled or not, or one with another forward (extras/pruning.py).
     observe: called after each decode pass with what it did (step.py, lab/trace.py)."""
     cfg, w = model.config, model.lm_head.weight
@@ -60,15 +40,12 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     sampler = Sampler(temperature, top_k, top_p, seed, w.device)
     batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len,
                   sampler, batch_size)
-    going = batch.going
-    while going:
+    while batch.going:
         sampler.draw_ahead(B, cfg.vocab_size, tree)
         lookup = tree.lookup(batch.contexts()) if tree.lookup_length else None
         out = step(model, batch.cache, batch.roots, batch.drafts, tree, sampler, observe=observe,
                    lookup=lookup)
         batch.roots, batch.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read
-        batch.stats.passes += 1
-        batch.stats.nodes.append(out.n_nodes)
-        going = batch.emit([row[1:1 + row[0]] for row in emitted])
+        batch.emit([row[1:1 + row[0]] for row in emitted], out.n_nodes)
     return batch.finish(single)

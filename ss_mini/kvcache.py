@@ -22,19 +22,17 @@ class KVCache:
         over, as gpt-fast's model keeps its cache: every decode of one size writes the same
         addresses, so a CUDA graph recorded by one call replays in the next."""
         key = (max_len, batch_size, str(device), dtype, torch.is_inference_mode_enabled())
-        if memory is None or key not in memory:
+        if memory is not None and key in memory:  # stale slots past the lengths stay hidden
+            self.kv, self.length = memory[key]
+            self.length.zero_()
+        else:  # per layer (row, slot, key or value, head, head dim): a slot's key and value are
+            # one run of memory, so writing or moving a slot is one vector copy (index_copy_)
             hd = config.n_embd // config.n_head
-            # per layer (row, slot, key or value, head, head dim): a slot's key and value are one
-            # run of memory, so writing or moving a slot is one vector copy (index_copy_)
-            kv = [torch.zeros(batch_size, max_len, 2, config.n_head, hd, device=device,
-                              dtype=dtype) for _ in range(config.n_layer)]
-            length = torch.zeros(batch_size, dtype=torch.long, device=device)
-            if memory is not None:
-                memory[key] = kv, length
-        else:  # stale slots past the lengths are hidden by the mask, as always
-            kv, length = memory[key]
-            length.zero_()
-        self.kv, self.length = kv, length
+            self.kv = [torch.zeros(batch_size, max_len, 2, config.n_head, hd, device=device,
+                                   dtype=dtype) for _ in range(config.n_layer)]
+            self.length = torch.zeros(batch_size, dtype=torch.long, device=device)
+            memory = {} if memory is None else memory
+            memory[key] = self.kv, self.length
         self.slot, self.max_len = torch.arange(max_len, device=device), max_len
         self.row_start = torch.arange(batch_size, device=device)[:, None] * max_len
         self._dest = None  # (R, the flat slots where this pass's R rows go): made once a pass

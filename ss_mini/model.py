@@ -15,8 +15,8 @@ prefix; the stream rows' are used by the pass itself and never kept: a stream re
 main stream's cache. The forward is split at stream insertion (`forward_bottom`,
 `forward_top`), where parallel tree pruning acts (extras/pruning.py).
 
-Extensions subclass GPT in ss_mini/extras/ (Medusa heads, the pruning adapter; built by
-`ss_mini.build_model`); the lossless mode's stream-only adapters live here (`StreamAdapter`).
+Extensions subclass GPT in ss_mini/extras/ (Medusa heads, the pruning adapter, the lossless
+mode's stream-only adapters), built by `ss_mini.build_model`.
 """
 import math
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ class GPTConfig:
     stream_loss_weight: float = 0.1  # alpha_j of Eq. 5, one for all streams (alpha_0 = 1)
     stream_targets: str = "data"  # "data": x_{t+1+j} (Eq. 5); "main", "greedy": extras/distill.py
     stream_stride: int = 1  # training: streams at every k-th position; 1 = all, as the paper
-    stream_adapter_rank: int = 0  # > 0: stream-only low-rank adapters (lossless mode)
+    stream_adapter_rank: int = 0  # > 0: stream-only adapters, lossless mode (extras/lossless.py)
     n_medusa_heads: int = 0  # K: the Medusa baseline instead of streams (extras/medusa.py)
     prune_adapter_rank: int = 0  # > 0: parallel tree pruning adapter (extras/pruning.py)
     gelu_approximate: str = "tanh"  # "tanh": GPT-2's GELU; "none": nanoGPT's exact erf GELU
@@ -73,38 +73,16 @@ class GPTConfig:
         return self.n_streams or self.n_medusa_heads
 
 
-class StreamAdapter(nn.Module):
-    """Lossless mode (the EMNLP version of the paper): with the base frozen, a low-rank update
-    of a shared Linear for the stream rows only, so every verified token stays the base's.
-    `up` starts at zero: the adapter starts as the identity."""
-
-    def __init__(self, d_in, d_out, rank):
-        super().__init__()
-        self.down = nn.Linear(d_in, rank, bias=False)
-        self.up = nn.Linear(rank, d_out, bias=False)
-
-    def forward(self, x, y, n_main):
-        """y = linear(x), updated in place for the rows after the first n_main (the streams)."""
-        if x.shape[1] > n_main:
-            y[:, n_main:] += self.up(self.down(x[:, n_main:]))
-        return y
-
-
-def stream_adapter(config, d_in, d_out, msa):
-    rank = config.stream_adapter_rank if msa and config.n_streams else 0
-    return StreamAdapter(d_in, d_out, rank) if rank else None
-
-
 class MultiStreamAttention(nn.Module):
     """Causal self-attention of the main stream and multi-stream attention (Eq. 2) in one call:
     queries are the main rows, then the stream rows; the mask (masks.py) keeps the main rows
     away from the streams and gives each stream row what Eq. 2 allows."""
 
-    def __init__(self, config, msa=False):
+    def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.stream_adapter = stream_adapter(config, config.n_embd, 3 * config.n_embd, msa)
+        self.add_module("stream_adapter", None)  # lossless mode's (extras/lossless.py)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -125,10 +103,10 @@ class MultiStreamAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, msa=False):
+    def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.stream_adapter = stream_adapter(config, config.n_embd, 4 * config.n_embd, msa)
+        self.add_module("stream_adapter", None)  # lossless mode's (extras/lossless.py)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
@@ -145,12 +123,12 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block. Main and stream rows share every weight, so all
     per-token work runs on them as one sequence; only attention tells them apart."""
 
-    def __init__(self, config, msa=False):
+    def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = MultiStreamAttention(config, msa)
+        self.attn = MultiStreamAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config, msa)
+        self.mlp = MLP(config)
 
     def forward(self, x, n_main, mask, cache, layer):
         x = x + self.attn(self.ln_1(x), n_main, mask, cache, layer)
@@ -162,16 +140,16 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        if type(self) is GPT and (config.n_medusa_heads or config.prune_adapter_rank):
-            raise ValueError("Medusa heads and the pruning adapter are extensions: build the model "
+        if type(self) is GPT and (config.n_medusa_heads or config.prune_adapter_rank
+                                  or config.stream_adapter_rank):
+            raise ValueError("Medusa heads and the adapters are extensions: build the model "
                              "with ss_mini.build_model(config)")
         self.config = config
-        n_plain = config.n_layer - config.n_msa_layers
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, msa=i >= n_plain) for i in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -183,7 +161,7 @@ class GPT(nn.Module):
         self.init_weights()
 
     def init_weights(self):
-        """GPT-2's initialisation; stream adapters (and other adapters) start as the identity."""
+        """GPT-2's initialisation."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -192,8 +170,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
-            elif name.endswith("adapter.up.weight"):
-                nn.init.zeros_(p)
         if self.config.n_streams:
             nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
 
@@ -322,15 +298,6 @@ class GPT(nn.Module):
                 lj = -((soft(j, t) * F.log_softmax(s.float(), -1)).sum(-1) * valid).sum() / n
             loss = loss + self.config.stream_loss_weight * lj
         return {"loss": loss, "main": main, "streams": stream_losses}
-
-    def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
-        params = [p for p in self.parameters() if p.requires_grad]
-        no_decay = [p for p in params if p.dim() < 2 or p is getattr(self, "stream_emb", None)]
-        decay = [p for p in params if p.dim() >= 2 and all(p is not q for q in no_decay)]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]  # biases, norms and P do not decay
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
-                                 fused=device_type == "cuda")
 
 
 def _rows(x, idx):

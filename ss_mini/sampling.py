@@ -118,13 +118,13 @@ class Sampler:
         token from the text each node tries first, a point mass (-1: none; extras/lookup.py).
 
         Vectorised over the nodes of every row: in round r each node with an (r+1)-th child tries
-        it, the others sit it out with q = 0 (`shape.tries`), which leaves their p as it is; a node
-        emits the first child it accepts. A candidate never drawn (q's support smaller than the
-        width: the race ranks tokens with q(x) = 0 last) comes after all of the support, so by its
-        round q is all zero: it is never accepted and leaves p as it is too."""
+        it, the others sit it out with q = 0 (`shape.has_child`), which leaves their p as it is;
+        a node emits the first child it accepts. A candidate never drawn (q's support smaller than
+        the width: the race ranks tokens with q(x) = 0 last) comes after all of the support, so
+        by its round q is all zero: it is never accepted and leaves p as it is too."""
         if self.gen is None:
             return main_logits.argmax(-1)
-        V, tries = main_logits.shape[-1], shape.tries
+        V, has_child = main_logits.shape[-1], shape.has_child
         p = p_target = self.probs(main_logits).reshape(-1, V)
         tried = []  # (accepted, token) of each try in order: a node emits its first accepted
         if look is not None:  # a child from the text: a point mass, tried first
@@ -134,11 +134,11 @@ class Sampler:
             rest = p.scatter(1, y, 0.0)  # rejected: p without y, what q's candidates then face
             p = p_target = torch.where(has, rest / rest.sum(-1, keepdim=True).clamp_min(1e-30), p)
         if shape.max_children:  # q of each node's children and its candidates (child r: cand[:, r])
-            q = draft_probs.reshape(-1, V).index_select(0, shape.cand_row)
-            cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.cand_row)
+            q = draft_probs.reshape(-1, V).index_select(0, shape.q_row)
+            cand = ranked.reshape(-1, ranked.shape[-1]).index_select(0, shape.q_row)
             u = self.uniform("verify", cand)
         for r in range(shape.max_children):
-            x, q = cand[:, r:r + 1], q * tries[:, r:r + 1]
+            x, q = cand[:, r:r + 1], q * has_child[:, r:r + 1]
             px, qx = p.gather(1, x), q.gather(1, x)
             tried.append((u[:, r:r + 1] * qx < torch.minimum(px, qx), x))  # never if q = 0
             # rejected: p becomes norm(max(0, p - q)) (q = 0: p stays); x leaves q, renormalised

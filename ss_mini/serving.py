@@ -113,12 +113,19 @@ class Batch:
         self.cache, logits, self.drafts = prefill(model, [self.ctx[b] for b in self.prompt_of],
                                                   draft_depth, cache_slots)
         self.roots = sampler.pick(logits)  # the same roots, on the device
-        self.going = self.emit([[t] for t in self.roots.tolist()], cached=False)
+        self.going = self._emit([[t] for t in self.roots.tolist()], cached=False)
 
-    def emit(self, new, cached=True):
-        """Each row's new tokens (a list per row: a pass's accepted drafts and the next root);
-        the pass cached the previous root and the drafts (cached=False: a prefill's roots).
-        Finished rows hand their place on; full caches are rebuilt. False when all is done."""
+    def emit(self, new, n_nodes=0):
+        """A decode pass's new tokens, a list per row (its accepted drafts and the next root) of
+        a pass over n_nodes tree nodes (0: a plain pass); `going` is False when all is done."""
+        self.stats.passes += 1
+        self.stats.nodes += [n_nodes] if n_nodes else []
+        self.going = self._emit(new)
+
+    def _emit(self, new, cached=True):
+        """The new tokens of each row; the pass cached the previous root and the drafts
+        (cached=False: a prefill's roots). Finished rows hand their place on; full caches are
+        rebuilt. False when all is done."""
         finished = False
         for i, (b, toks) in enumerate(zip(self.prompt_of, new)):
             if not toks:  # a row that did not take part (a prompt joining beside it)
@@ -186,7 +193,7 @@ class Batch:
         roots = self.sampler.pick(logits)
         self.roots[torch.tensor(free, device=roots.device)] = roots
         new = [[t] for t in self.roots.tolist()]  # the others' roots: emitted already
-        return self.emit([new[i] if i in free else [] for i in range(len(new))], cached=False)
+        return self._emit([new[i] if i in free else [] for i in range(len(new))], cached=False)
 
     def _fill(self, rows):
         """Rows of the batch replaced by a prefill of their contexts (one pass); their logits."""

@@ -8,8 +8,12 @@
   3. `verify`: the target's token at every node (sampling.py) and each row's accepted path;
   4. `accept`: each row keeps its path in its cache (kvcache.py); the streams of the path's
      last node (its root's for a draft from the text) are the next drafts.
-No host reads, no shapes that change from step to step: one compiled graph serves every step
-(extras/compile.py). `ar_step` is the baseline's step, `prefill` the pass over a prompt.
+A tree may hold, beside the streams' drafts, a chain drafted from the decoded text (prompt
+lookup, extras/lookup.py): its nodes are verified and accepted like any other, carry no
+streams, and under sampling are point masses (sampling.py); `lookup` is None without one.
+With the method's KVCache a step reads nothing back to the host and keeps its shapes from step
+to step, so one compiled graph serves every step (extras/compile.py); the eager CPU path of
+`make_lean` reads the lengths (extras/kernels.py). `prefill` is the pass over a prompt.
 """
 from typing import NamedTuple
 
@@ -32,11 +36,11 @@ class Draft(NamedTuple):
 
 
 class Verified(NamedTuple):
-    """targets (B, n): the target's token at every node; n_accepted (B,): the nodes on each
-    row's accepted path, root included (1..P, P the tree's depth + 1); last (B,): the path's
-    last node, as an index into the batch's B * n nodes."""
+    """targets (B, n): the target's token at every node; path_length (B,): the nodes on each
+    row's accepted path, root included (1..P, P the tree's depth + 1), so the tokens it emits;
+    last (B,): the path's last node, as an index into the batch's B * n nodes."""
     targets: torch.Tensor
-    n_accepted: torch.Tensor
+    path_length: torch.Tensor
     last: torch.Tensor
 
 
@@ -62,7 +66,7 @@ def draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup=None):
     candidates = ranked.flatten(1)
     if lookup is not None:  # after the ranked candidates (tree.py: Template)
         candidates = torch.cat([candidates, lookup], 1)
-    tokens = torch.cat([root.unsqueeze(1), candidates.gather(1, shape.gather)], dim=1)
+    tokens = torch.cat([root.unsqueeze(1), candidates.gather(1, shape.token_index)], dim=1)
     look = tree.look(lookup) if lookup is not None and probs is not None else None
     return Draft(tokens, shape, ranked, draft_logits, probs, look)
 
@@ -89,58 +93,45 @@ def verify(draft, main_logits, sampler, depth_limit):
     targets = sampler.verify(main_logits, draft.probs, draft.ranked, shape, draft.look)
     miss = draft.tokens != targets.gather(1, shape.parent)
     miss |= shape.depth > depth_limit.unsqueeze(1)
-    n_accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
-    last = n_accepted.argmax(1) + shape.first_node
-    return Verified(targets, n_accepted.flatten().index_select(0, last), last)
+    accepted = shape.path_length.masked_fill((shape.anc & miss.unsqueeze(1)).any(-1), 0)
+    last = accepted.argmax(1) + shape.first_node  # the deepest accepted node
+    return Verified(targets, accepted.flatten().index_select(0, last), last)
 
 
 def accept(cache, draft, verified, stream_logits, tree):
     """Phase 4: each row's path moves into its cache; its last node's target token is the next
     root and its streams' logits (its root's for a draft from the text) the next drafts. A chain's
     path of a nodes is its first a nodes, already in place in the cache and in the targets."""
-    n_accepted, last = verified.n_accepted, verified.last
-    if tree.is_chain:
-        cache.advance(n_accepted)
+    length, last = verified.path_length, verified.last
+    if tree.template.is_chain:
+        cache.advance(length)
         emitted = verified.targets
     else:
         path = draft.shape.path.flatten(0, 1).index_select(0, last)
-        cache.accept(path, n_accepted)
+        cache.accept(path, length)
         emitted = verified.targets.gather(1, path)
-    row = last if draft.shape.stream_row is None else draft.shape.stream_row.index_select(0, last)
+    rows = draft.shape.next_draft_row
+    row = last if rows is None else rows.index_select(0, last)
     next_drafts = (draft.logits if stream_logits is None  # no streams ran: (B, 0, V) stays
                    else stream_logits.flatten(0, 1).index_select(0, row))
     root = verified.targets.flatten().index_select(0, last)  # (index_select: MPS has no take)
-    return Step(n_accepted, emitted, root, next_drafts, draft.shape.n_nodes)
+    return Step(length, emitted, root, next_drafts, draft.shape.n_nodes)
 
 
 def speculative_step(model, cache, root, draft_logits, tree, sampler, forward=forward_tree,
                      observe=None, lookup=None):
     """One pass of Speculative Streaming over the batch: verify the tree drafted from
     draft_logits (B, D, V) (and lookup, drafts from the text) under each row's root (B,), and
-    draft the next. No host sync. forward: phase 2 (extras/pruning.py gives another);
-    observe(cache, drafted, ran, verified, step): called with what the pass did (lab/trace.py)."""
+    draft the next. forward: phase 2 (extras/pruning.py gives another); observe(cache, draft,
+    ran, verified, step): called with what the pass did (lab/trace.py)."""
     depth_limit = model.config.block_size - 1 - cache.length  # positions stay < block_size
-    drafted = draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup)
-    draft, main_logits, stream_logits = forward(model, cache, drafted, tree)
-    verified = verify(draft, main_logits, sampler, depth_limit)
-    step = accept(cache, draft, verified, stream_logits, tree)
+    draft = draft_tree(root, draft_logits, tree, sampler, depth_limit, lookup)
+    ran, main_logits, stream_logits = forward(model, cache, draft, tree)  # pruning may cut it
+    verified = verify(ran, main_logits, sampler, depth_limit)
+    step = accept(cache, ran, verified, stream_logits, tree)
     if observe is not None:
-        observe(cache, drafted, draft, verified, step)
+        observe(cache, draft, ran, verified, step)
     return step
-
-
-def ar_window(cache):
-    """The attention window of a one-token pass: a row sees its prefix and itself."""
-    one = torch.ones(1, 1, 1, dtype=torch.bool, device=cache.slot.device)
-    return attention_window(one, cache.max_len, cache.kv[0].dtype)
-
-
-def ar_step(model, cache, root, sampler, window):
-    """One autoregressive pass: cache each row's root (B,), return the token after it (B,)."""
-    main_logits, _ = model.forward_nodes(root[:, None], cache.length[:, None], cache.mask(window),
-                                         cache=cache, draft_depth=0)
-    cache.advance(1)
-    return sampler.pick(main_logits[:, 0])
 
 
 @torch.no_grad()

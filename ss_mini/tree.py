@@ -2,18 +2,14 @@
 
 The streams of the last accepted token give q_1..q_gamma over the tokens at depths 1..gamma
 after the root r (the next token, already decided). A tree draft puts r at depth 0 and, at
-depth j, candidates of q_j, *ranked* by the sampling rule (sampling.py: the top tokens when
-greedy, a sample without replacement otherwise): a node is (depth, rank), and the children
-of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed *template* of nodes,
-depth-first (the top-1 chain first, after any lookup chain), and at each step n of them per row:
-- `CartesianTree(ks)`: the paper's tree, top-k_j candidates under every node of depth j-1,
-  1 + k_1 + k_1 k_2 + ... nodes; every row takes the whole template.
-- `BudgetTree(n)` (extras/budget_tree.py): each row's n most probable nodes, a shape per row;
-- `LookupTree(ks, m)` (extras/lookup.py): `ks` plus a chain of m tokens from the decoded
-  text under the root, its nodes of rank -1 (not a rank of q), which carry no streams.
-A shape (`TreeShape`) is tensors, never read by the host. A tree bound to a model drafts
-`draft_depth` depths (its stream nodes' depth, at most gamma; 0 for a lookup chain alone),
-and its passes run that many streams.
+depth j, candidates of q_j *ranked* by the sampling rule (sampling.py): a node is (depth, rank),
+and the children of a node hold ranks 0..m-1 of the next depth. Every tree is a fixed
+*template* of nodes, depth-first (the top-1 chain first, after any lookup chain), and at each
+step n of them per row, a `TreeShape` of tensors: the paper's `CartesianTree(ks)` takes the
+whole template; `BudgetTree(n)` (extras/budget_tree.py) each row's n most probable nodes;
+`LookupTree(ks, m)` (extras/lookup.py) adds a chain of m tokens from the decoded text, its
+nodes of rank -1, which carry no streams. A tree bound to a model drafts `draft_depth` depths
+(at most gamma; 0 for a lookup chain alone), and its passes run that many streams.
 """
 import math
 
@@ -25,46 +21,52 @@ MAX_NODES = 256  # a pass carries up to n * (1 + gamma) rows; the paper's trees 
 
 
 class TreeShape:
-    """One step's tree in every row of a batch of B, as tensors on the device (n nodes, D the
-    tree's depth). What the pass needs: depth (B, n), 0 for the root, j for a candidate of q_j;
-    stream_idx (B, m), the nodes that carry streams (None: all; a draft from the text carries
-    none); window (B, 1, R, 2S), its attention mask (masks.py). What verify needs: parent (B, n),
-    the root pointing to itself; anc (B, n, n), v an ancestor of u or u itself, the root left out
-    (always accepted); path_length (B, n) = depth + 1; and for speculative sampling tries
-    (B * n, width), 1.0 where node u has an (r+1)-th child from q, and cand_row (B * n), the row
-    of the drafts (B * depths drafted) its children come from. What accept needs: path
-    (B, n, D+1), the nodes root..u, padded with u; stream_row (B * n), whose streams draft after
-    u among the B * m: u's, its root's for a draft from the text (None: u's). gather (B, n-1):
-    where nodes 1..n-1 find their tokens: (depth - 1) * width + rank, or past the candidates."""
+    """One step's tree in every row of a batch of B, as tensors on the device: n nodes, the
+    template's nodes `sel` (B, n) (parents first), D deep; node u of row b is node b * n + u of
+    the batch (`first_node`). Worked through for the tree 2,1+L2: docs/step.md.
 
-    def __init__(self, t, sel, n_streams, max_len, width):  # t: the tree's Template
-        B, n = sel.shape
-        self.n_nodes, self.width = n, width
-        self.sel = sel  # the template nodes of each row, (B, n), ascending: parents first
-        self.first_node = torch.arange(B, device=sel.device) * n  # row b's first of the B * n
+    The draft (step.py, draft_tree): token_index (B, n-1), where nodes 1..n-1 find their tokens
+      among the ranked candidates ((depth - 1) * width + rank), or after them (the text's).
+    The pass (forward_tree): depth (B, n), 0 for the root, j for a candidate of q_j (position
+      L + depth); stream_idx (B, m), the nodes that carry streams (None: all; a draft from the
+      text carries none); window (B, 1, R, 2S), the pass's mask (masks.py), R = n + m D rows.
+    Verify: parent (B, n), the root its own; anc (B, n, n), v is u or an ancestor of u, the root
+      left out (always accepted); path_length (B, n) = depth + 1, the tokens a row emits when
+      its path ends at u; sampling, has_child (B n, width), 1.0 where u has an (r+1)-th child
+      from q, and q_row (B n), the row of the draft distributions (B D) its children come from.
+    Accept: path (B, n, D + 1), the nodes root..u, padded with u; next_draft_row (B n), the
+      stream rows (of the B m) that draft after u: u's own, its root's for a draft from the
+      text (None: u's)."""
+
+    def __init__(self, t, sel, draft_depth, max_len, width):  # t: the tree's Template
+        (B, n), device = sel.shape, sel.device
+        self.n_nodes, self.width, self.sel = n, width, sel
+        self.first_node = torch.arange(B, device=device) * n
         self.depth, self.rank = t.depth[sel], t.rank[sel]
-        self.path_length = self.depth + 1  # the tokens a row emits when u ends its path
-        self.gather = t.gather[sel][:, 1:]
-        inv = torch.zeros(B, t.size, dtype=torch.long, device=sel.device)  # template -> here
-        inv.scatter_(1, sel, torch.arange(n, device=sel.device).expand(B, n))
-        self.parent = inv.gather(1, t.parent[sel])
-        self.path = inv.gather(1, t.path[sel].flatten(1)).view(B, n, -1)
+        self.token_index = t.token_index[sel][:, 1:]
+        # a template node's index among this shape's nodes, to renumber parents and paths
+        here = torch.zeros(B, t.size, dtype=torch.long, device=device)
+        here.scatter_(1, sel, torch.arange(n, device=device).expand(B, n))
+        self.parent = here.gather(1, t.parent[sel])
+        self.path = here.gather(1, t.path[sel].flatten(1)).view(B, n, -1)
         anc = t.anc[sel[:, :, None], sel[:, None, :]]
         self.anc = anc & (self.depth > 0).unsqueeze(1)  # the root left out
-        ones = (self.rank[:, 1:] >= 0).float()  # children drafted by q
-        children = torch.zeros(B, n, device=sel.device).scatter_add_(1, self.parent[:, 1:], ones)
-        self.tries = (torch.arange(width, device=sel.device) < children.view(-1, 1)).float()
+        self.path_length = self.depth + 1
+        from_q = (self.rank[:, 1:] >= 0).float()  # children drafted by q (not by the text)
+        children = torch.zeros(B, n, device=device).scatter_add_(1, self.parent[:, 1:], from_q)
+        self.has_child = (torch.arange(width, device=device) < children.view(-1, 1)).float()
         self.max_children = min(width, t.max_children)
-        g = max(n_streams, 1)  # the children of row b's node at depth d: q_{d+1}, row b * g + d
-        rows = torch.arange(B, device=sel.device)[:, None]
-        self.cand_row = (rows * g + self.depth.clamp(max=g - 1)).flatten()
-        self.stream_idx = self.stream_row = None  # every node carries streams
-        if n_streams and t.from_text:  # a LookupTree's fixed shape (indexing by `carries` syncs)
+        g = max(draft_depth, 1)  # the children of row b's node at depth d: q_{d+1}, row b g + d
+        rows = torch.arange(B, device=device)[:, None]
+        self.q_row = (rows * g + self.depth.clamp(max=g - 1)).flatten()
+        self.stream_idx = self.next_draft_row = None  # every node carries streams
+        if draft_depth and t.from_text:  # a LookupTree's fixed shape (indexing by `carries` syncs)
             carries = self.rank >= 0  # the root and the stream nodes
-            self.stream_idx = torch.arange(n, device=sel.device).expand(B, n)[carries].view(B, -1)
-            local = (carries.cumsum(1) - 1) * carries  # in its row: its own, or the root's (0)
-            self.stream_row = (rows * self.stream_idx.shape[1] + local).flatten()
-        self.window = attention_window(pass_mask(anc, n_streams, self.stream_idx), max_len, t.dtype)
+            self.stream_idx = torch.arange(n, device=device).expand(B, n)[carries].view(B, -1)
+            own = (carries.cumsum(1) - 1) * carries  # among its row's m: its own, or the root's
+            self.next_draft_row = (rows * self.stream_idx.shape[1] + own).flatten()
+        mask = pass_mask(anc, draft_depth, self.stream_idx)
+        self.window = attention_window(mask, max_len, t.dtype)
 
 
 class Template:
@@ -85,7 +87,7 @@ class Template:
         on_path = [[index[p[:j]] for j in range(len(p) + 1)] for p in paths]  # root..u
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
         self.parent, self.depth, self.rank = t(parent), t(depths), t(ranks)
-        self.gather = t([0] + [(len(p) - 1) * width + p[-1] if p[-1] >= 0
+        self.token_index = t([0] + [(len(p) - 1) * width + p[-1] if p[-1] >= 0
                                else n_ranked * width + len(p) - 1 for p in paths[1:]])
         self.path = t([nodes + [u] * (D + 1 - len(nodes)) for u, nodes in enumerate(on_path)])
         self.anc = tree_mask([-1] + parent[1:]).to(device)  # u's ancestors and u (masks.py)
@@ -111,7 +113,6 @@ class Tree:
             self.max_len = config.block_size + len(self) + carriers * draft_depth
             paths = self.paths(draft_depth, width)
             self.template = Template(paths, width, draft_depth, device, dtype)
-            self.is_chain = self.template.is_chain
             self.fixed = {}  # a Cartesian tree's one shape, per batch size
         if isinstance(self, CartesianTree):
             self.shape_for(batch_size)  # built here, outside a compiled step

@@ -58,7 +58,7 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
     import bench
     from types import SimpleNamespace
     from ss_mini.lab import tree_choice
-    from ss_mini.generate import Stats
+    from ss_mini.serving import Stats
     calls = []
 
     def fake_ar(model, prompt, max_new_tokens, **kw):

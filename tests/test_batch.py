@@ -6,11 +6,12 @@ from conftest import random_model
 from test_generate import SAMPLING, _chi_square_ok, _exact_first_tokens
 
 from ss_mini import serving
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import ar_step, ar_window, generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.kvcache import KVCache
 from ss_mini.sampling import Sampler
-from ss_mini.step import ar_step, ar_window, prefill, speculative_step
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.step import prefill, speculative_step
+from ss_mini.extras import make_tree
 from ss_mini.extras.kernels import LeanKVCache
 
 

@@ -361,6 +361,6 @@ def test_batches_are_queues_of_two_waves_of_mixed_lengths():
 def test_a_tree_is_named_by_the_spec_that_makes_it():
     """Reports name a tree by its spec, `none` for plain decoding, never Python's None."""
     from ss_mini.lab.measure import tree_spec
-    from ss_mini.extras.budget_tree import make_tree
+    from ss_mini.extras import make_tree
     for spec in ("none", "1,1,1", "3,2,1", "n8"):
         assert tree_spec(make_tree(spec, 4)) == spec

@@ -9,9 +9,10 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchgen
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 from ss_mini.extras.distill import stream_teacher
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.model import GPT, GPTConfig
 
 # Every aten operation (name.overload) that training (forward and backward) and both decoders
@@ -161,10 +162,10 @@ def test_a_decoder_reuses_its_cache_memory_across_calls():
     """Two decodes of one model, batch size and cache size write the same tensors (so a CUDA
     graph recorded by the first replays in the second), even while the first decode's cache is
     still held; each output is still its prompt's own."""
-    from ss_mini import step
+    from ss_mini import baseline, step
     model = _model().eval()
     caches = []
-    steps = {"ss": step.speculative_step, "ar": step.ar_step}
+    steps = {"ss": step.speculative_step, "ar": baseline.ar_step}
 
     def keep(name):
         def run(model, cache, *args, **kwargs):

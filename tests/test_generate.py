@@ -10,12 +10,14 @@ from conftest import random_model
 from ss_mini import ar_step, compile_step, speculative_step
 from ss_mini.lab.shapes import host_shape
 from ss_mini.io.checkpoint import load_model
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.sampling import Sampler, target_probs
 from ss_mini.model import GPT, GPTConfig
 from ss_mini.kvcache import KVCache
 from ss_mini.step import prefill
-from ss_mini.extras.budget_tree import BudgetTree, make_tree
+from ss_mini.extras import make_tree
+from ss_mini.extras.budget_tree import BudgetTree
 from ss_mini.extras.lookup import lookup
 from ss_mini.tree import CartesianTree
 
@@ -170,7 +172,7 @@ def test_mark_static_marks_every_tensor_a_step_writes(spec, kw):
     that an eager speculative_step (or ar_step) writes in place, among everything reachable from the
     cache, the sampler, the tree and the step's inputs."""
     from ss_mini.extras.compile import mark_static
-    from ss_mini.step import ar_window
+    from ss_mini.baseline import ar_window
     model = random_model(seed=2, std=0.4)
     model.cache_class = KVCache  # LeanKVCache reads the lengths on a CPU (extras/kernels.py)
     tree = make_tree(spec, 3).bind(model.config, "cpu", torch.float64, batch_size=2)
@@ -275,7 +277,7 @@ def _draft(tree, root, q, max_depth, vocab_size):
 def test_budget_tree_is_best_first_and_holds_top1_chain():
     q = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-6], [0.9, 0.05, 0.05, 1e-6],
                                [0.5, 0.3, 0.1, 0.1]]))
-    tokens, shape = _draft(BudgetTree(6, 3), 7, q, 3, 4)
+    tokens, shape = _draft(BudgetTree(6), 7, q, 3, 4)
     parents, depths, children = shape.parents, shape.depths, shape.children
     assert tokens[0] == 7 and parents[0] == -1 and shape.n_nodes == 6
     chain = [0]
@@ -298,7 +300,7 @@ def test_budget_tree_is_best_first_and_holds_top1_chain():
     # depth cut at 1 (4 tokens in the vocabulary): a budget tree always holds n nodes, and the
     # nodes a row may accept are chosen first: the root and every candidate of depth 1; the
     # others are deeper
-    tokens, cut = _draft(BudgetTree(9, 3), 1, q, 1, 4)
+    tokens, cut = _draft(BudgetTree(9), 1, q, 1, 4)
     assert cut.n_nodes == 9 and all(cut.parents[i] < i for i in range(1, 9))
     assert sorted(d for d in cut.depths if d <= 1) == [0, 1, 1, 1, 1]
     assert sorted(tokens[u] for u in range(9) if cut.depths[u] == 1) == [0, 1, 2, 3]
@@ -470,7 +472,7 @@ def test_verify_emits_the_target_distribution(children, kw):
     base, logits, q_logits = _nodes_of_8_targets(gen, n, V)
     sampler = Sampler(kw["temperature"], kw.get("top_k"), kw.get("top_p"), 0, "cpu")
     ranked, q = sampler.draft(q_logits, children)
-    shape = SimpleNamespace(cand_row=torch.arange(n), tries=torch.ones(n, children),
+    shape = SimpleNamespace(q_row=torch.arange(n), has_child=torch.ones(n, children),
                             max_children=children)
     ys = sampler.verify(logits, q, ranked, shape)
     _assert_each_target_followed(ys, target_probs(base, **kw))
@@ -704,7 +706,7 @@ def test_pruning_keeps_the_cache_consistent():
     with torch.no_grad():
         model.prune_adapter.up.weight.normal_(0, 0.3)
     ctx = [1, 2, 3, 4]
-    tree = BudgetTree(7, 3).bind(model.config, "cpu", torch.float64)
+    tree = BudgetTree(7).bind(model.config, "cpu", torch.float64)
     cache, _, _ = prefill(model, [ctx], tree.draft_depth, tree.max_len)
     # the tree parents [-1, 0, 0, 1, 1, 2, 3], ranks [0, 0, 1, 0, 1, 0, 0]: its nodes in the
     # template
@@ -744,7 +746,7 @@ def test_products_are_those_of_a_tree_pass(drafter):
     order: those of a speculative step over an n-node tree (n main rows below the multi-stream
     layers, n (1 + g) in them, then the LM head once over all rows, whatever the pass's size;
     Medusa's heads on the main rows) and of an autoregressive step."""
-    from ss_mini.step import ar_window
+    from ss_mini.baseline import ar_window
     from ss_mini.lab.measure import products
     kw = (dict(n_streams=3, n_msa_layers=2) if drafter == "streams"
           else dict(n_streams=0, n_medusa_heads=2))
@@ -756,7 +758,7 @@ def test_products_are_those_of_a_tree_pass(drafter):
     sampler, root = Sampler(0.0, None, None, None, "cpu"), torch.tensor([1])
     with torch.no_grad():
         for n in (1, 4, 16):
-            tree = BudgetTree(n, model.config.n_drafts).bind(model.config, "cpu", torch.float32)
+            tree = BudgetTree(n).bind(model.config, "cpu", torch.float32)
             cache, _, draft_logits = prefill(model, [[1, 2, 3]], tree.draft_depth, tree.max_len)
             seen.clear()
             speculative_step(model, cache, root, draft_logits, tree, sampler)
@@ -868,7 +870,8 @@ def test_drafts_from_the_text_carry_no_streams():
     model = random_model(seed=0, n_streams=2)
     tree = make_tree("1+L3", 2).bind(model.config, "cpu", torch.float64)
     shape, V = tree.shape_for(1), model.config.vocab_size
-    assert shape.stream_idx.tolist() == [[0, 4]] and shape.stream_row.tolist() == [0, 0, 0, 0, 1]
+    assert shape.stream_idx.tolist() == [[0, 4]]
+    assert shape.next_draft_row.tolist() == [0, 0, 0, 0, 1]
     r, a, b, c = 1, 2, 3, 4
     main_logits = torch.zeros(1, 5, V, dtype=torch.float64)
     for node, target in enumerate([a, b, c, c, b]):
@@ -896,7 +899,7 @@ def test_verify_with_a_draft_from_the_text_emits_the_target_distribution(kw):
     ranked, q = sampler.draft(q_logits, 2)
     children = torch.arange(n) // 8 % 3  # 0, 1 or 2 children from q
     tries = (torch.arange(2) < children[:, None]).float()
-    shape = SimpleNamespace(cand_row=torch.arange(n), tries=tries, max_children=2)
+    shape = SimpleNamespace(q_row=torch.arange(n), has_child=tries, max_children=2)
     look = torch.randint(-1, V, (n,), generator=gen)
     ys = sampler.verify(logits, q, ranked, shape, look)
     _assert_each_target_followed(ys, target_probs(base, **kw))

@@ -484,9 +484,12 @@ def test_config_errors():
     from ss_mini import build_model
     from ss_mini.extras.medusa import MedusaGPT
     from ss_mini.extras.pruning import PruningGPT
+    from ss_mini.extras.lossless import LosslessGPT, LosslessPruningGPT
     small = dict(block_size=8, vocab_size=5, n_layer=2, n_msa_layers=1, n_embd=8, n_head=2)
     for extra, cls in ((dict(n_streams=0, n_medusa_heads=2), MedusaGPT),
-                       (dict(prune_adapter_rank=2), PruningGPT)):
+                       (dict(prune_adapter_rank=2), PruningGPT),
+                       (dict(stream_adapter_rank=2), LosslessGPT),
+                       (dict(stream_adapter_rank=2, prune_adapter_rank=2), LosslessPruningGPT)):
         with pytest.raises(ValueError, match="build_model"):
             GPT(GPTConfig(**small, **extra))
         assert type(build_model(GPTConfig(**small, **extra))) is cls

@@ -17,11 +17,12 @@ import sample
 import train
 from ss_mini.io.checkpoint import load_checkpoint, load_model, model_config
 from ss_mini.io.data import Tokenizer, load_split
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.masks import tree_mask
 from ss_mini.model import GPT
 from ss_mini.io.nanogpt import import_nanogpt, read_meta
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 
 TEXT = "".join(f"ROMEO:\nBut soft, what light through yonder window breaks {i}?\n"
                f"JULIET:\nO Romeo, Romeo! wherefore art thou Romeo {i * 7 % 10}?\n\n"

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from ss_mini.io.checkpoint import load_model
-from ss_mini.generate import generate_ar, generate_speculative
+from ss_mini.baseline import generate_ar
+from ss_mini.generate import generate_speculative
 from ss_mini.io.pretrained import crop_block_size, load_gpt2
 from ss_mini.model import GPT
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

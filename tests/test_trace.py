@@ -17,7 +17,7 @@ from ss_mini.generate import generate_speculative
 from ss_mini.extras.pruning import pruned_step
 from ss_mini.lab.shapes import host_shape
 from ss_mini.lab.trace import Trace, dense_mask, pass_data, to_html
-from ss_mini.extras.budget_tree import make_tree
+from ss_mini.extras import make_tree
 
 decode = lambda ids: "".join("abcdefghijk"[i] for i in ids)
 

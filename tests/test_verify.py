@@ -8,7 +8,8 @@ from ss_mini.lab.shapes import host_shape
 from ss_mini.extras.distill import greedy_continuation
 from ss_mini.generate import generate_speculative
 from ss_mini.sampling import Sampler
-from ss_mini.extras.budget_tree import BudgetTree, make_tree
+from ss_mini.extras import make_tree
+from ss_mini.extras.budget_tree import BudgetTree
 from ss_mini.tree import CartesianTree
 
 
@@ -98,8 +99,8 @@ def test_a_residual_that_underflows_falls_back_to_the_target(monkeypatch):
     q = torch.tensor([[0.0, 0.0, 0.2, 0.3, 0.5]], dtype=torch.float64)
     sampler = Sampler(1.0, None, None, 0, "cpu")
     monkeypatch.setattr(sampler, "probs", lambda logits: q.expand(len(logits), V) / 2)
-    shape = type("Shape", (), dict(cand_row=torch.zeros(400, dtype=torch.long),
-                                   tries=torch.ones(400, 1), max_children=1))()
+    shape = type("Shape", (), dict(q_row=torch.zeros(400, dtype=torch.long),
+                                   has_child=torch.ones(400, 1), max_children=1))()
     ranked = torch.tensor([[4]])
     ys = sampler.verify(torch.zeros(400, V), q, ranked, shape)
     assert set(ys.tolist()) <= {2, 3, 4} and (ys != 4).any(), ys.bincount()
@@ -114,8 +115,8 @@ def test_a_draft_certain_in_float32_leaves_the_next_child_its_chance():
     V, n = 8, 20_000
     q = torch.softmax(torch.tensor([40.0] + [10.0] * (V - 1)), -1)[None]
     assert q[0, 0] == 1.0 and (q[0, 1:] > 0).all()
-    shape = type("Shape", (), dict(cand_row=torch.zeros(n, dtype=torch.long),
-                                   tries=torch.tensor([[1.0, 1.0, 0.0]]).expand(n, 3),
+    shape = type("Shape", (), dict(q_row=torch.zeros(n, dtype=torch.long),
+                                   has_child=torch.tensor([[1.0, 1.0, 0.0]]).expand(n, 3),
                                    max_children=3))()
     ys = Sampler(1.0, None, None, 0, "cpu").verify(torch.zeros(n, V), q, torch.tensor([[0, 1, 2]]),
                                                  shape)
@@ -168,7 +169,7 @@ def test_what_a_tree_keeps_is_bounded_in_bytes():
 
     config = random_model().config
     gen = torch.Generator().manual_seed(0)
-    for t in (BudgetTree(8, 3), CartesianTree([2, 2, 1])):
+    for t in (BudgetTree(8), CartesianTree([2, 2, 1])):
         t.bind(config, "cpu", torch.float32)
         # a budget tree keeps its template only
         bound = held(t) if isinstance(t, BudgetTree) else None
@@ -211,8 +212,8 @@ def test_the_race_never_takes_log_zero(monkeypatch):
     assert sampler.pick(logits).tolist() == [2, 3]
     ranked, probs = sampler.draft(logits[None], 2)
     assert ranked[0, :, 0].tolist() == [2, 3]
-    shape = type("Shape", (), dict(cand_row=torch.zeros(2, dtype=torch.long),
-                                   tries=torch.ones(2, 1), max_children=1))()
+    shape = type("Shape", (), dict(q_row=torch.zeros(2, dtype=torch.long),
+                                   has_child=torch.ones(2, 1), max_children=1))()
     # q: the draft always proposes token 0, which p never emits
     other = torch.tensor([[4.0, 0.0, 0.0, 0.0]])
     _, q = Sampler(1.0, 1, None, 0, "cpu").draft(other, 1)

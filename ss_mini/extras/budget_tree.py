@@ -1,5 +1,4 @@
-"""Budget trees: each row's n most probable nodes, chosen on the device at every step, and
-`make_tree`, which makes any tree from its spec ('3,2,1', 'n16', 'chain', 'none').
+"""Budget trees: each row's n most probable nodes, chosen on the device at every step.
 
 `BudgetTree(n)` keeps the n nodes with the largest product of draft probabilities along their
 path, the top-1 chain always in. Its template (tree.py) holds every path that can be among
@@ -12,15 +11,14 @@ import math
 
 import torch
 
-from ..tree import CartesianTree, Tree, TreeShape
-from .lookup import LookupTree
+from ..tree import Tree, TreeShape
 
 
 class BudgetTree(Tree):
-    def __init__(self, n_nodes, n_streams):
+    def __init__(self, n_nodes):
         if n_nodes < 1:
             raise ValueError(f"a node budget of {n_nodes}: give at least 1 (the root)")
-        self.n_nodes, self.n_streams = int(n_nodes), n_streams
+        self.n_nodes = int(n_nodes)
         self.max_width = self.max_depth = max(1, self.n_nodes - 1)  # a chain of n is n - 1 deep
 
     def bind(self, config, device, dtype, batch_size=1):
@@ -58,7 +56,7 @@ class BudgetTree(Tree):
         q = torch.softmax(draft_logits.float(), -1) if draft_probs is None else draft_probs.float()
         top = torch.topk(q[:, :self.draft_depth], self.width, dim=-1).values
         logq = top.clamp_min(1e-30).log().flatten(1)
-        step = logq[:, t.gather]  # (B, size): log q of each node's own (depth, rank)
+        step = logq[:, t.token_index]  # (B, size): log q of each node's own (depth, rank)
         step[:, 0] = 0.0
         score = step @ self.anc_t  # log of the product along the path (anc includes u itself)
         score = score.masked_fill(self.on_chain, torch.inf)
@@ -70,40 +68,3 @@ class BudgetTree(Tree):
 
     def __repr__(self):
         return f"n{self.n_nodes}"
-
-
-def make_tree(spec, n_streams):
-    """'3,2,1' (Cartesian top-k per depth; '1' repeated = a chain), 'n16' (node budget),
-    'chain' (the top-1 chain over all the model's streams: 1,1,1,1 for gamma = 4), 'none'
-    (no tree: plain decoding; None); '+L4' after a Cartesian tree adds a chain of 4 tokens
-    drafted from the decoded text, and 'L4' alone is prompt-lookup decoding (extras/lookup.py)."""
-    spec = str(spec).strip()
-    usage = (f"--tree={spec}: give top-k per depth (e.g. 3,2,1 or 1,1,1), a node budget (e.g. "
-             "n16), chain or none, and + L and a length to add a lookup branch (1,1,1+L4, L4)")
-    streams, plus, chain = spec.rpartition("L") if "L" in spec else (spec, "", "")
-    if plus:
-        if (streams and not streams.endswith("+")) or not chain.isdigit():
-            raise ValueError(usage)
-        try:
-            tree = make_tree(streams[:-1], n_streams) if streams else None
-        except ValueError as e:  # said of the whole spec
-            raise ValueError(f"--tree={spec}: {str(e).split(': ', 1)[-1]}") from None
-        if streams and type(tree) is not CartesianTree:
-            raise ValueError(f"--tree={spec}: a lookup branch goes with a top-k tree (e.g. "
-                             "1,1,1+L4, chain+L8) or alone (L4)")
-        return LookupTree(tree.ks if tree else (), int(chain))
-    if spec == "none":
-        return None
-    if spec == "chain":
-        return CartesianTree([1] * n_streams)
-    try:
-        if spec.startswith("n"):
-            return BudgetTree(int(spec[1:]), n_streams)
-        ks = [int(k) for k in spec.split(",")]
-    except ValueError:
-        raise ValueError(usage) from None
-    if len(ks) > n_streams:
-        raise ValueError(f"--tree={spec} has {len(ks)} depths, the model {n_streams} streams")
-    if min(ks) < 1:
-        raise ValueError(f"--tree={spec}: give a top-k of at least 1 for each depth, e.g. 3,2,1")
-    return CartesianTree(ks)

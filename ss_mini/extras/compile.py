@@ -1,4 +1,5 @@
-"""Decoding steps compiled whole: `compile_step(step)` (step.py's ar_step or speculative_step).
+"""Decoding steps compiled whole: `compile_step(step)` (step.py's speculative_step, or the
+baseline's ar_step).
 
 The step's shapes never change from step to step, so one graph (torch.compile, fullgraph=True,
 dynamic=False) serves every step of a tree and batch size; the prefill stays eager. On CUDA

@@ -2,6 +2,8 @@
 what is on disk, before any work; the checkpoint it starts from, if any."""
 import os
 
+import torch
+
 from ..model import GPTConfig
 from .checkpoint import load_checkpoint
 from .cli import UsageError, check
@@ -12,6 +14,17 @@ from .pretrained import find_gpt2_files
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_streams",
               "n_msa_layers", "stream_loss_weight", "stream_targets", "stream_stride",
               "stream_adapter_rank", "n_medusa_heads", "prune_adapter_rank")
+
+
+def make_optimizer(model, weight_decay, learning_rate, betas, device_type):
+    """AdamW over the trainable parameters; biases, norms and the stream embeddings P do not
+    decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    no_decay = [p for p in params if p.dim() < 2 or p is getattr(model, "stream_emb", None)]
+    decay = [p for p in params if p.dim() >= 2 and all(p is not q for q in no_decay)]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
 
 def check_config(cfg, given, rules):

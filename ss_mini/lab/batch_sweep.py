@@ -6,7 +6,7 @@ import torch
 from . import plot
 from ..io.checkpoint import load_model
 from ..io.cli import UsageError
-from ..generate import generate_ar
+from ..baseline import generate_ar
 from .measure import (machine, over_runs, run_interleaved, run_kwargs, speculative, summarize,
                       threads, tree_spec)
 from .tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs, n_prompts,

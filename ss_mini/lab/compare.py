@@ -4,7 +4,7 @@ its tokens/s and its speedup over plain decoding (docs/table1.md)."""
 import numpy as np
 import torch
 
-from ..generate import generate_ar
+from ..baseline import generate_ar
 from ..io.checkpoint import load_model, training_data
 from ..io.cli import UsageError
 from ..io.data import load_split

@@ -34,9 +34,10 @@ import time
 import torch
 
 from ..extras.compile import compile_step
-from ..generate import generate_ar, generate_speculative
+from ..baseline import ar_step, ar_window, generate_ar
+from ..generate import generate_speculative
 from ..sampling import Sampler
-from ..step import ar_step, ar_window, prefill, speculative_step
+from ..step import prefill, speculative_step
 from ..extras.budget_tree import BudgetTree
 
 
@@ -268,7 +269,7 @@ def pass_cost(model, context, sizes=(1, 4, 8, 16), steps=100, warmup=10, batch_s
     autoregressive step. Returns ({n: ratio}, {n: floor}, the median AR step in ms)."""
     cfg, dev, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
     T, L = cfg.block_size, len(context)
-    trees = {n: BudgetTree(n, cfg.n_drafts).bind(cfg, dev, dtype) for n in sizes}
+    trees = {n: BudgetTree(n).bind(cfg, dev, dtype) for n in sizes}
     sampler = Sampler(temperature, top_k, top_p, 0, dev)
     rows = [list(context)] * batch_size  # every row the same: a batch of batch_size
     for t in trees.values():

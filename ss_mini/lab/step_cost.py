@@ -17,6 +17,7 @@ from ..extras.kernels import make_lean
 from ..generate import generate_speculative
 from ..io.checkpoint import load_model, model_config
 from ..io.cli import UsageError
+from ..io.run_start import make_optimizer
 from ..model import GPTConfig
 from .compare import describe
 from .measure import copy_bandwidth, pass_cost, step_bytes, synchronize, threads
@@ -161,7 +162,7 @@ def train_bench(ckpt, device, steps, log):
                                          prune_adapter_rank=0)
         torch.manual_seed(0)
         model = build_model(config).to(device)
-        opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
+        opt = make_optimizer(model, 0.1, 1e-3, (0.9, 0.99), device.split(":")[0])
         x = torch.randint(0, config.vocab_size, (tcfg["batch_size"], config.block_size),
                           device=device)
         times = []

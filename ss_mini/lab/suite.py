@@ -11,7 +11,7 @@ from ..io.cli import UsageError
 from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_interleaved,
                       run_kwargs, run_pair, speculative, summarize, unreliable)
 from .report import shell_quote
-from ..extras.budget_tree import make_tree
+from ..extras import make_tree
 from .measure import tree_spec
 from .tree_choice import choose_tree, decode_kwargs, pick_prompts
 

@@ -16,9 +16,9 @@ from . import plot
 from ..io.checkpoint import training_data
 from ..io.cli import UsageError
 from ..io.data import load_split
-from ..generate import generate_ar
+from ..baseline import generate_ar
 from .measure import prompt_speedups, run_interleaved, run_pair, speculative, summarize, unreliable
-from ..extras.budget_tree import make_tree
+from ..extras import make_tree
 
 
 def validation_prompts(ckpt, tok, n, length):
