@@ -1,7 +1,5 @@
 """The decoder of Speculative Streaming, `generate_speculative`: a short loop around one step
-(step.py). It takes one prompt or a batch of prompts of any lengths and returns (new tokens,
-Stats); the rows of a batch (prompts waiting, rows joining, the sliding window of a full row)
-are serving.py's `Batch`. Its baseline, `generate_ar`, is baseline.py's.
+(step.py); the rows of a batch are serving.py's `Batch`, the baseline baseline.py's.
 
 Greedy outputs are those of `generate_ar` token for token, up to float near-ties (a tree pass
 multiplies other shapes than a one-token pass; the tests check equality in float64), and a row

@@ -18,9 +18,8 @@ class KVCache:
 
     def __init__(self, config, max_len, batch_size=1, device="cpu", dtype=torch.float32,
                  memory=None):
-        """memory: a dict (a model's `kv_memory`) whose tensors of this size a new cache takes
-        over, as gpt-fast's model keeps its cache: every decode of one size writes the same
-        addresses, so a CUDA graph recorded by one call replays in the next."""
+        """memory: a dict (a model's `kv_memory`) whose tensors of this size the cache takes over,
+        so every decode of one size writes the same addresses (one CUDA graph replays)."""
         key = (max_len, batch_size, str(device), dtype, torch.is_inference_mode_enabled())
         if memory is not None and key in memory:  # stale slots past the lengths stay hidden
             self.kv, self.length = memory[key]

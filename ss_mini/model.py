@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kvcache import KVCache
-from .masks import pass_mask, tree_mask
+from .loss import train_forward
 
 
 @dataclass
@@ -242,62 +242,9 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         return logits[:, :n], (logits[:, n:].unflatten(1, (-1, g)) if g else None)
 
-    # ------------------------------------------------------------------ training (Eq. 5)
-
-    def chain_mask(self, T, device, where=None):
-        """Training's pass mask: the decoding rule (masks.py) on a chain, with streams at the
-        positions `where` (a range; None = all). Built once per length and positions."""
-        key = (T, str(device), where and (where.start, where.step))
-        if key not in self._masks:
-            anc = tree_mask(range(-1, T - 1))[None]
-            idx = None if where is None else torch.tensor(list(where))[None]
-            self._masks[key] = pass_mask(anc, self.config.n_streams, idx)[0].to(device)
-        return self._masks[key]
-
     def forward(self, idx, targets=None, teacher=None):
-        """Training forward over a chain: (main logits, draft logits, losses).
-
-        losses, when targets are given: 'loss' = Eq. 5, CE(main) + sum_j alpha_j CE(stream j);
-        'main' and 'streams' (CE against the data, for logging). targets[b, t] = x_{t+1};
-        stream j at t learns x_{t+1+j} = targets[b, t+j], or the soft targets of
-        teacher(self, idx, main_logits, where) -> fn(j, t) (distillation, extras/distill.py).
-        Positions past the end and targets of -1 are ignored; a stream left with no target
-        adds 0. stream_stride=k > 1 (training mode only): streams run at positions offset,
-        offset + k, ... (offset drawn per batch); the main stream is unchanged."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
-        k = self.config.stream_stride if self.training and self.config.n_drafts else 1
-        offset = int(torch.randint(min(k, T), ())) if k > 1 else 0  # some position has streams
-        where = None if k == 1 else range(offset, T, k)
-        mask = self.chain_mask(T, idx.device, where)
-        stream_idx = None if where is None else torch.tensor(list(where), device=idx.device)[None]
-        h = self.forward_bottom(idx, torch.arange(T, device=idx.device), mask)
-        main_logits, draft_logits = self.forward_top(h, mask, stream_idx=stream_idx)
-        if targets is None:
-            return main_logits, draft_logits, None
-        soft = teacher(self, idx, main_logits, where) if teacher else None
-        return main_logits, draft_logits, self.loss(main_logits, draft_logits, targets, where,
-                                                    soft)
-
-    def loss(self, main_logits, draft_logits, targets, where, soft=None):
-        """Eq. 5 over the positions `where` that carried streams (None = all)."""
-        V, T = main_logits.shape[-1], targets.shape[1]
-        start, k = (0, 1) if where is None else (where.start, where.step)
-        main = F.cross_entropy(main_logits.reshape(-1, V), targets.reshape(-1), ignore_index=-1)
-        loss, stream_losses = main, []
-        for j in range(1, self.config.n_drafts + 1):
-            t = torch.arange(start, max(start, T - j), k, device=targets.device)  # t + j < T
-            s, y = draft_logits[:, :len(t), j - 1], targets[:, t + j]
-            valid = y != -1  # padding trains no stream, as it trains no main position
-            n = valid.sum().clamp(min=1)  # no target at all adds 0, not an empty mean's NaN
-            lj = F.cross_entropy(s.reshape(-1, V), y.reshape(-1), ignore_index=-1,
-                                 reduction="sum") / n
-            stream_losses.append(lj)
-            if soft is not None:  # soft targets: the main stream's distributions
-                lj = -((soft(j, t) * F.log_softmax(s.float(), -1)).sum(-1) * valid).sum() / n
-            loss = loss + self.config.stream_loss_weight * lj
-        return {"loss": loss, "main": main, "streams": stream_losses}
+        """Training's forward over a chain and its loss (Eq. 5): loss.py's `train_forward`."""
+        return train_forward(self, idx, targets, teacher)
 
 
 def _rows(x, idx):

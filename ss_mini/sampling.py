@@ -67,12 +67,10 @@ class Sampler:
         """Uniform draws shaped like `like` for one use in a step (`draw_ahead` lists them):
         taken from `draw_ahead`, or drawn now."""
         u = self.drawn.pop(use, None)
-        if u is None:
-            return torch.rand(like.shape, generator=self.gen, device=like.device)
-        if u.shape != like.shape:
+        if u is not None and u.shape != like.shape:
             raise RuntimeError(f"'{use}' draws made for {tuple(u.shape)} are used at "
                                f"{tuple(like.shape)}: Sampler.draw_ahead and the step disagree")
-        return u
+        return torch.rand(like.shape, generator=self.gen, device=like.device) if u is None else u
 
     def draw_ahead(self, batch_size, vocab_size, tree=None):
         """Every uniform draw of the next step, made before it (a compiled step cannot call the

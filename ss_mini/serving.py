@@ -1,7 +1,6 @@
-"""Serving the rows of a batch, around the decoders (generate.py): the prompts waiting, a
-finished row handing its place to the next, the sliding window of a full row, the memory check,
-and the statistics that bench.py reads. A reader of one prompt's step needs none of it: for one
-prompt, `Batch` is a prefill, then each step's tokens appended to the output.
+"""Serving the rows of a batch around the decoders: prompts waiting, a finished row handing its
+place to the next, the sliding window of a full row, the memory check, the statistics bench.py
+reads. One prompt's step needs none of it: `Batch` is then a prefill and an output list.
 """
 import time
 import warnings

@@ -8,12 +8,11 @@
   3. `verify`: the target's token at every node (sampling.py) and each row's accepted path;
   4. `accept`: each row keeps its path in its cache (kvcache.py); the streams of the path's
      last node (its root's for a draft from the text) are the next drafts.
-A tree may hold, beside the streams' drafts, a chain drafted from the decoded text (prompt
-lookup, extras/lookup.py): its nodes are verified and accepted like any other, carry no
-streams, and under sampling are point masses (sampling.py); `lookup` is None without one.
-With the method's KVCache a step reads nothing back to the host and keeps its shapes from step
-to step, so one compiled graph serves every step (extras/compile.py); the eager CPU path of
-`make_lean` reads the lengths (extras/kernels.py). `prefill` is the pass over a prompt.
+A tree may also hold a chain drafted from the decoded text (prompt lookup, extras/lookup.py;
+`lookup` None without one): nodes like any other, but without streams. With the method's
+KVCache a step reads nothing back to the host and keeps its shapes, so one compiled graph serves
+every step (extras/compile.py); the lean CPU path (extras/kernels.py) reads the lengths.
+`prefill` is the pass over a prompt.
 """
 from typing import NamedTuple
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..loss import chain_mask
 from ..model import GPT
 from ..step import speculative_step
 from ..tree import TreeShape
@@ -47,7 +48,7 @@ class PruningGPT(GPT):
         if targets is not None:  # the bottom layers again: the core's forward stays the paper's
             T = idx.shape[1]
             h = self.forward_bottom(idx, torch.arange(T, device=idx.device),
-                                    self.chain_mask(T, idx.device))
+                                    chain_mask(self, T, idx.device))
             early = self.prune_adapter.early_logits(self, h)
             V = early.shape[-1]
             losses["prune"] = F.cross_entropy(early.reshape(-1, V), targets.reshape(-1),
