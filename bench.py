@@ -35,7 +35,7 @@ import torch
 
 from ss_mini.lab import plot
 from ss_mini.lab.batch_sweep import batch_sweep
-from ss_mini.io.checkpoint import load_model
+from ss_mini.io.checkpoint import load_model, param_counts
 from ss_mini.io.cli import (UsageError, at_least, check, in_range, parse_args, pick_device,
                             pick_dtype, warn_unused)
 from ss_mini.io.data import describe_fingerprint
@@ -50,22 +50,22 @@ from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.step_cost import profile, roofline, step_costs, train_bench
 from ss_mini.lab.suite import suite
 from ss_mini.extras import make_tree
-from ss_mini.extras.lookup import LookupTree
-from ss_mini.lab.tree_choice import (batched, calibration_batches, choose_tree, decode_kwargs,
-                                     n_prompts, pick_prompts)
+from ss_mini.lab.tree_choice import (METHOD, batched, calibration_batches, choose_trees,
+                                     decode_kwargs, kind, n_prompts, pick_prompts)
 
 config = dict(
-    out_dir="out",
+    out_dir="out",  # the checkpoint to measure (out_dir/ckpt.pt)
     # "" = held-out validation snippets; or a JSON-lines file of {"prompt": "..."} whose first
     # few calibrate
     prompts="",
+    # prompts measured (and 2/3 as many more held-out ones calibrate the tree search)
     num_prompts=12,
     prompt_tokens=64,  # length of a validation snippet
-    max_new_tokens=256,
-    temperature=0.0,
-    top_k=0,
-    top_p=1.0,
-    seed=1337,
+    max_new_tokens=256,  # new tokens per prompt
+    temperature=0.0,  # 0 = greedy (and the exactness check); > 0 samples
+    top_k=0,  # 0 = off
+    top_p=1.0,  # 1.0 = off
+    seed=1337,  # the sampling seed of the first run (run i: seed + i)
     # top-k per depth (e.g. 1,1,1 or 3,2,1), nN for an N-node budget, none (plain decoding), or
     # auto; +LM adds a branch of M tokens drafted from the decoded text (1,1+L8), LM alone is
     # prompt-lookup decoding (extras/lookup.py)
@@ -91,15 +91,17 @@ config = dict(
     repeats=3,
     # every row of the README's results table and a worked example, as Markdown (or --json)
     suite=False,
-    suite_dirs="out,out-shakespeare",  # CODE_DIR,PROSE_DIR: the two checkpoints --suite measures
-    sweep=False,
-    profile=False,
+    # CODE_DIR,PROSE_DIR: the checkpoints --suite measures; several per model joined by +
+    # (out+out-seed7+out-seed42,...: the spread over training seeds)
+    suite_dirs="out,out-shakespeare",
+    sweep=False,  # tokens/s over every candidate tree, best marked
+    profile=False,  # where a speculative step spends its time (torch.profiler)
     train_steps=0,  # > 0: also time this many training steps with and without streams
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     dtype="auto",
     threads=0,  # torch CPU threads; 0 = torch's default
-    json=False,
+    json=False,  # one JSON document on stdout (the report on stderr)
     # > 0: also run with parallel tree pruning (a model with a pruning adapter)
     prune_threshold=0.0,
     # DIR1,DIR2,...: a Table-1 style report of models fine-tuned from one base on one dataset
@@ -123,7 +125,8 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
              repeats=at_least(1), batch_size=at_least(1), max_batch_size=at_least(1),
              prompts=(lambda v: not v or os.path.isfile(v),
                       "a JSON-lines file that exists (or empty)"),
-             suite_dirs=(lambda v: len(v.split(",")) == 2 and all(v.split(",")),
+             suite_dirs=(lambda v: len(v.split(",")) == 2 and all(all(d.split("+"))
+                                                                   for d in v.split(",")),
                          "two folders, CODE_DIR,PROSE_DIR"))
 NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost",
                   "compile", "prune_threshold", "train_steps", "batch_size",
@@ -194,7 +197,7 @@ def log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
     if calibration[0] in prompts and searched(cfg):
         log(f"note: {cfg['prompts']} holds too few prompts to keep calibration apart: the tree "
             "is tuned on the prompts it is measured on (give more prompts, or --tree)")
-    base, draft = model.param_counts()
+    base, draft = param_counts(model)
     B = cfg["batch_size"]
     log(f"model {cfg['out_dir']}: {model.config.n_layer} layers x {model.config.n_embd}, "
         f"drafter: {describe(model.config)}; {base:,} base + {draft:,} draft parameters; "
@@ -204,26 +207,16 @@ def log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
     log(f"corpus: {describe_fingerprint(ckpt.get('corpus'))}")
 
 
-def lookup_baseline(tree):
-    """Prompt-lookup decoding with the same model, cache and step, to compare a tree with: L
-    and the tree's lookup length (L4 for a tree without one); None for a lookup-only tree."""
-    if tree is None or (tree.lookup_length and not tree.ks):
-        return None
-    return LookupTree((), tree.lookup_length or 4)
-
-
-def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
+def measured_runs(model, prompts, calibration, tree, others, kw, cfg, log, progress):
     """--repeats runs of plain and speculative decoding (and both compiled, with --compile; and
-    last the lookup baseline), interleaved on every prompt; each run a list of results per
-    decoder. Sampling, run i draws with --seed + i (`run_kwargs`)."""
+    last the trees of `others`: prompt lookup alone, the other kind of stream tree), interleaved
+    on every prompt; each run a list of results per decoder. Sampling, run i draws with
+    --seed + i (`run_kwargs`)."""
     steps = compiled_steps() if cfg["compile"] else None
     if steps:
         t0 = time.perf_counter()
         run_pair(model, calibration, tree, kw, steps)  # compiles the token and the tree steps
         log(f"torch.compile: {time.perf_counter() - t0:.0f} s of compilation and warm-up")
-    lookup = lookup_baseline(tree)
-    if lookup is not None:
-        run_pair(model, calibration[:1], lookup, kw)  # warm-up
     runs = []
     for i in range(cfg["repeats"]):
         progress(f"bench: run {i + 1}/{cfg['repeats']}")
@@ -231,26 +224,38 @@ def measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress):
         decoders = [lambda p: generate_ar(model, p, **kw_i), speculative(model, tree, kw_i)]
         if steps:
             decoders += [plain(model, kw_i, steps), speculative(model, tree, kw_i, steps)]
-        if lookup is not None:
-            decoders.append(speculative(model, lookup, kw_i))
+        decoders += [speculative(model, t, kw_i) for t in others.values()]
         runs.append(run_interleaved(prompts, decoders))
     return runs
 
 
-def lookup_report(runs, r, tree, log):
-    """The lookup baseline (the last decoder of each run) against plain decoding and the tree:
-    (its summary, the answer's line)."""
-    lk = [summarize(run[0], run[-1]) for run in runs]
-    ratio = [run_r["ss_tokens_per_s"] / x["ss_tokens_per_s"]
-             for run_r, x in zip([summarize(*run[:2]) for run in runs], lk)]
-    m = lk[r["median_run"]]
-    name = lookup_baseline(tree)
-    line = (f"prompt-lookup decoding alone ({name}, this model, cache and step): "
-            f"{m['speedup']:.2f}x plain, tau {m['mean_accepted']:.2f}, "
-            f"{m['ss_ms_per_pass']:.2f} ms a pass; tree {tree_name(tree)} "
-            f"{statistics.median(ratio):.2f}x it ({min(ratio):.2f}-{max(ratio):.2f}x)")
-    log("  " + line)
-    return dict(m, tree=str(name), tree_over_lookup=ratio), line
+def others_report(runs, r, tree, others, log):
+    """The trees measured beside the answer (the last decoders of each run) against plain
+    decoding and the answer's tree: ({kind: its summary}, a line for each)."""
+    out, lines = {}, []
+    for j, (name, t) in enumerate(others.items(), start=len(runs[0]) - len(others)):
+        xs = [summarize(run[0], run[j]) for run in runs]
+        ratio = [summarize(*run[:2])["ss_tokens_per_s"] / x["ss_tokens_per_s"]
+                 for run, x in zip(runs, xs)]
+        m, (lo, hi) = xs[r["median_run"]], (min(x["speedup"] for x in xs),
+                                            max(x["speedup"] for x in xs))
+        lines.append(f"{name} ({t}): {m['speedup']:.2f}x plain ({lo:.2f}-{hi:.2f}x), tau "
+                     f"{m['mean_accepted']:.2f}{sources(m, t)}; tree {tree_name(tree)} "
+                     f"{statistics.median(ratio):.2f}x it" + " (a baseline, not the method)"
+                     * (name == "prompt lookup"))
+        out[name] = dict(m, tree=str(t), speedups=[x["speedup"] for x in xs],
+                         tree_over_this=ratio)
+        log("  " + lines[-1])
+    return out, lines
+
+
+def sources(r, tree):
+    """', drafts accepted: X% from the streams, Y% from the text' for a tree with a lookup
+    branch beside its streams ('' otherwise)."""
+    if tree is None or not (tree.lookup_length and tree.ks):
+        return ""
+    return (f", accepted drafts {1 - r['text_share']:.0%} from the streams, "
+            f"{r['text_share']:.0%} from the text")
 
 
 def prompts_phrase(cfg, prompts):
@@ -267,9 +272,10 @@ def answer_lines(cfg, r, runs, tree, kw, n):
     last = run_kwargs(kw, len(runs) - 1)["seed"]
     if last != kw["seed"]:  # sampling: run i drew with seed + i
         spread += f", seeds {kw['seed']} to {last}"
-    return ([f"speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
+    what = "Speculative Streaming" if kind(tree_spec(tree)) in METHOD else "decoding"
+    return ([f"{what} speedup {r['speedup']:.2f}x ({spread}), tree {tree_name(tree)}, "
              f"{mode_of(cfg['temperature'])}: {cfg['out_dir']}, {n} x {kw['max_new_tokens']} new "
-             "tokens"]
+             f"tokens, tau {r['mean_accepted']:.2f}{sources(r, tree)}"]
             + [repeats_note(r["repeat_rate"])] * (r["repeat_rate"] > 0.5 and tree is not None))
 
 
@@ -355,26 +361,27 @@ def bench(cfg, device, dtype, progress):
     kw = decode_kwargs(cfg, tok)
     log_setup(cfg, model, ckpt, prompts, calibration, given, device, dtype, log)
     progress("bench: tree search" if searched(cfg) else "bench: warm-up")
-    tree = choose_tree(model, calibration, cfg, kw, log)
+    tree, others = choose_trees(model, calibration, cfg, kw, log)
     if searched(cfg) and calibration[0] not in prompts:
         log("(the search ran on its own prompts, kept apart from those measured below: their "
             "speedups differ)")
     if cfg["profile"]:
         profile(model, prompts, tree, kw, log)
-    runs = measured_runs(model, prompts, calibration, tree, kw, cfg, log, progress)
+    runs = measured_runs(model, prompts, calibration, tree, others, kw, cfg, log, progress)
     r = over_runs([summarize(*run[:2]) for run in runs])
     n = prompts_phrase(cfg, prompts)
     answer = answer_lines(cfg, r, runs, tree, kw, n)
     log_table(cfg, r, runs, tree, kw, n, log)
-    base, draft = model.param_counts()
+    base, draft = param_counts(model)
     log(f"  draft parameters {draft:,} vs base parameters {base:,} ({draft / base:.1e})")
     roof = roofline(model, B, device, dtype,
                     {"plain": r["ar_ms_per_pass"], "speculative": r["ss_ms_per_pass"]})
     log(roof.pop("line"))
     result = {}
-    if lookup_baseline(tree) is not None:
-        result["lookup_only"], line = lookup_report(runs, r, tree, log)
-        answer.insert(1, line)
+    if others:
+        result["others"], lines = others_report(runs, r, tree, others, log)
+        result["lookup_only"] = result["others"].get("prompt lookup")
+        answer[1:1] = lines
     if cfg["compile"]:
         median = runs[r["median_run"]][:4]  # plain, speculative, both compiled
         result["compiled"], line = compiled_report(model, median, cfg, device, dtype, log)

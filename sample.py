@@ -37,20 +37,20 @@ from ss_mini.lab.trace import Trace, check_path
 from ss_mini.extras import make_tree
 
 config = dict(
-    out_dir="out",
+    out_dir="out",  # the checkpoint to sample from (out_dir/ckpt.pt)
     start="\n",  # the prompt, or FILE:path to read it from a file
     # decoded as one batch (each sample is exact; one random generator for the batch)
     num_samples=1,
-    max_new_tokens=500,
+    max_new_tokens=500,  # tokens to generate per sample
     # 0 = greedy (the exactness check: the same text with and without --speculative)
     temperature=0.8,
     top_k=200,  # 0 = off
     top_p=1.0,  # 1.0 = off
-    seed=1337,
+    seed=1337,  # the sampling seed (one seed gives other text with and without --speculative)
     device="auto",  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16 | float64
     dtype="auto",
-    speculative=False,
+    speculative=False,  # decode with Speculative Streaming (else plain autoregressive decoding)
     # chain (top-1 at every depth), top-k per depth (the paper's Cartesian tree, e.g. 3,2,1), nN
     # for N nodes
     tree="chain",

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ss_mini.io.checkpoint import make_checkpoint, model_config, save_checkpoint
+from ss_mini.io.checkpoint import (is_draft_param, make_checkpoint, model_config, param_counts,
+                                   save_checkpoint)
 from ss_mini.io.pretrained import crop_block_size, load_gpt2
 from ss_mini.io.cli import (UsageError, at_least, in_range, one_of, parse_args, pick_device,
                             pick_dtype)
@@ -28,35 +29,35 @@ from ss_mini.io.data import Tokenizer, fingerprint, load_split, prepare
 from ss_mini.extras import build_model
 from ss_mini.extras.distill import stream_teacher
 from ss_mini.extras.medusa import init_medusa_heads
-from ss_mini.model import GPT, GPTConfig
+from ss_mini.model import GPTConfig
 from ss_mini.io.run_start import MODEL_KEYS, check_config, make_optimizer
 
 # ----------------------------------------------------------------------------- config
 config = dict(
-    out_dir="out",
+    out_dir="out",  # where ckpt.pt is written
     dataset="python",  # python | shakespeare | text:PATH
     tokenizer="char",  # char | gpt2
-    data_dir="data",
+    data_dir="data",  # where the tokenised datasets are prepared (once)
     # scratch | resume (out_dir/ckpt.pt) | PATH of a checkpoint | gpt2:DIR or gpt2:NAME
     # | nanogpt:PATH
     init_from="scratch",
     # nanogpt: its char vocabulary; "" = meta.pkl beside the dataset's text, else in nanoGPT's
     # data/<dataset>/
     meta_pkl="",
-    eval_interval=400,
-    eval_iters=20,
-    log_interval=25,
+    eval_interval=400,  # iterations between evaluations (and checkpoints)
+    eval_iters=20,  # batches per evaluation
+    log_interval=25,  # iterations between log lines
     always_save_checkpoint=False,  # else only when val loss improves on the checkpoint's
     overwrite=False,  # a fresh run (init_from != resume) may replace out_dir/ckpt.pt
     # model (GPTConfig): small enough to train on a laptop's CPU in minutes (docs/defaults.md)
     n_layer=4,
-    n_head=4,
-    n_embd=128,
-    block_size=128,
-    dropout=0.0,
-    bias=True,
+    n_head=4,  # attention heads
+    n_embd=128,  # model width d
+    block_size=128,  # context length
+    dropout=0.0,  # dropout rate (0 = off)
+    bias=True,  # biases in Linear and LayerNorm (GPT-2: True)
     n_streams=4,  # gamma, as the paper (3 against 4: docs/defaults.md)
-    n_msa_layers=1,
+    n_msa_layers=1,  # Ns: top layers with multi-stream attention
     # alpha_j of Eq. 5 (paper: 0.1); 0.3 drafts better at the same main loss (docs/defaults.md)
     stream_loss_weight=0.3,
     # main (distil the main stream at t+j) | data (x_{t+1+j}, the paper's Eq. 5) | greedy (the main
@@ -71,20 +72,20 @@ config = dict(
     freeze_base=False,
     # optimisation
     batch_size=16,
-    gradient_accumulation_steps=1,
-    learning_rate=2e-3,
-    max_iters=1800,
-    weight_decay=0.1,
-    beta1=0.9,
-    beta2=0.99,
-    grad_clip=1.0,
-    warmup_iters=50,
+    gradient_accumulation_steps=1,  # micro-batches per optimizer step
+    learning_rate=2e-3,  # peak learning rate (AdamW)
+    max_iters=1800,  # optimizer steps
+    weight_decay=0.1,  # AdamW weight decay (biases, norms and P do not decay)
+    beta1=0.9,  # AdamW beta1
+    beta2=0.99,  # AdamW beta2
+    grad_clip=1.0,  # clip the gradient norm at this (0 = off)
+    warmup_iters=50,  # linear warm-up steps, then cosine decay
     min_lr=2e-4,  # cosine decay from learning_rate to min_lr at max_iters
     # system
     device="auto",  # auto | cpu | cuda | cuda:N | mps
     dtype="auto",  # auto (bf16/fp16 on CUDA, fp32 elsewhere) | float32 | bfloat16 | float16
-    compile=False,
-    seed=1337,
+    compile=False,  # torch.compile the training step
+    seed=1337,  # one command and seed give bit-identical weights on one CPU kind
 )
 RULES = dict(
     eval_interval=at_least(1), eval_iters=at_least(1), log_interval=at_least(1),
@@ -220,9 +221,9 @@ def checkpoint_model(cfg, ckpt, tokenizer):
     model = build_model(model_config(margs))
     ours = model.state_dict()
     state = {k: v for k, v in ckpt["model"].items()
-             if resume or not GPT.is_draft_param(k) or (k in ours and ours[k].shape == v.shape)}
+             if resume or not is_draft_param(k) or (k in ours and ours[k].shape == v.shape)}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not GPT.is_draft_param(k)]:
+    if unexpected or [k for k in missing if not is_draft_param(k)]:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, "
                            f"unexpected {unexpected}")
     if any(k.startswith("medusa_heads.") for k in missing):
@@ -236,7 +237,7 @@ def freeze_base(model, log):
         raise UsageError("--freeze_base=True trains only the drafter: give the model streams "
                          "(--n_streams=3) or Medusa heads (--n_medusa_heads=3)")
     for name, p in model.named_parameters():
-        p.requires_grad = GPT.is_draft_param(name)
+        p.requires_grad = is_draft_param(name)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"lossless mode: the base is frozen, {trainable:,} trainable parameters (the drafter's)")
 
@@ -421,7 +422,7 @@ def main(argv=None):
     data, tokenizer, corpus = load_data(cfg, source, run)
     model, iter_num, ckpt_val = make_model(cfg, source, tokenizer, run.log)
     model.to(run.device)
-    base, draft = model.param_counts()
+    base, draft = param_counts(model)
     run.log(f"model: {base:,} base parameters + {draft:,} draft parameters (stream embeddings, "
             "gamma x d)")
     optimizer = make_optimizer(model, cfg["weight_decay"], cfg["learning_rate"],

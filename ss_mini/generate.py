@@ -40,10 +40,10 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
                   sampler, batch_size)
     while batch.going:
         sampler.draw_ahead(B, cfg.vocab_size, tree)
-        lookup = tree.lookup(batch.contexts()) if tree.lookup_length else None
+        chains = tree.chains(batch.contexts()) if tree.lookup_length else None
         out = step(model, batch.cache, batch.roots, batch.drafts, tree, sampler, observe=observe,
-                   lookup=lookup)
+                   lookup=None if chains is None else torch.tensor(chains, device=w.device))
         batch.roots, batch.drafts = out.root, out.draft_logits
         emitted = torch.cat([out.n_emitted.unsqueeze(1), out.emitted], 1).tolist()  # one read
-        batch.emit([row[1:1 + row[0]] for row in emitted], out.n_nodes)
+        batch.emit([row[1:1 + row[0]] for row in emitted], out.n_nodes, chains)
     return batch.finish(single)

@@ -32,7 +32,7 @@ def train_forward(model, idx, targets=None, teacher=None):
     Positions past the end and targets of -1 are ignored; a stream left with no target
     adds 0. stream_stride=k > 1 (training mode only): streams run at positions offset,
     offset + k, ... (offset drawn per batch); the main stream is unchanged."""
-    cfg, (B, T) = model.config, idx.shape
+    cfg, T = model.config, idx.shape[1]
     if T > cfg.block_size:
         raise ValueError(f"sequence length {T} > block_size {cfg.block_size}")
     k = cfg.stream_stride if model.training and cfg.n_drafts else 1

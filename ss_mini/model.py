@@ -173,20 +173,6 @@ class GPT(nn.Module):
         if self.config.n_streams:
             nn.init.normal_(self.stream_emb, mean=0.0, std=0.02)
 
-    @staticmethod
-    def is_draft_param(name):
-        """Parameters that exist only for drafting: stream embeddings P, stream adapters,
-        Medusa heads, the pruning adapter."""
-        return (name == "stream_emb" or ".stream_adapter." in name
-                or name.startswith(("medusa_heads.", "prune_adapter.")))
-
-    def param_counts(self):
-        """(base, draft) parameter counts."""
-        draft = sum(p.numel() for n, p in self.named_parameters() if self.is_draft_param(n))
-        return sum(p.numel() for p in self.parameters()) - draft, draft
-
-    # ------------------------------------------------------------------ the forward pass
-
     def streams_in_pass(self, draft_depth):
         """How many streams a pass runs: draft_depth None = all gamma, 0 = none (a plain pass),
         g = the first g. Stream j attends to streams <= j only (Eq. 2), so the first g come

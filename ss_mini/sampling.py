@@ -98,15 +98,19 @@ class Sampler:
 
     def draft(self, draft_logits, width, exclude=None):
         """(ranked candidates (..., depths, width), draft probabilities (..., depths, V) or None
-        when greedy) from draft logits (..., depths, V); exclude (..., 1, 1): q_1 leaves it out."""
+        when greedy) from draft logits (..., depths, V); exclude (..., 1, 1): q_1 leaves it out
+        (-1: nothing left out)."""
         if exclude is not None:
-            draft_logits = draft_logits.scatter(-1, exclude, float("-inf"))
+            out, exclude = exclude >= 0, exclude.clamp_min(0)
+            draft_logits = draft_logits.scatter(  # out of q_1: -inf; else its own logit
+                -1, exclude, draft_logits.gather(-1, exclude).masked_fill(out, float("-inf")))
         if self.gen is None:
             return torch.topk(draft_logits, width, dim=-1).indices, None
         draft_probs = self.probs(draft_logits)
         keys = _race(draft_probs, self.uniform("draft", draft_probs))
         if exclude is not None:  # below even keys of -inf (past q_1's support): never drawn
-            keys = keys.clamp_min(torch.finfo(keys.dtype).min).scatter(-1, exclude, float("-inf"))
+            keys = keys.clamp_min(torch.finfo(keys.dtype).min)
+            keys = keys.scatter(-1, exclude, keys.gather(-1, exclude).masked_fill(out, -torch.inf))
         return torch.topk(keys, width, dim=-1).indices, draft_probs
 
     def verify(self, main_logits, draft_probs, ranked, shape, look=None):

@@ -16,6 +16,7 @@ class Stats:
     new_tokens: int = 0
     passes: int = 0  # forward passes of the batch, prefill and cache rebuilds included
     accepted: list = field(default_factory=list)  # tokens a row emitted per decode pass
+    from_text: list = field(default_factory=list)  # of them, accepted drafts from the text
     nodes: list = field(default_factory=list)  # tree nodes verified per decode pass
     seconds: float = 0.0
     row_seconds: list = field(default_factory=list)  # when each prompt's output was complete
@@ -114,14 +115,17 @@ class Batch:
         self.roots = sampler.pick(logits)  # the same roots, on the device
         self.going = self._emit([[t] for t in self.roots.tolist()], cached=False)
 
-    def emit(self, new, n_nodes=0):
+    def emit(self, new, n_nodes=0, chains=None):
         """A decode pass's new tokens, a list per row (its accepted drafts and the next root) of
-        a pass over n_nodes tree nodes (0: a plain pass); `going` is False when all is done."""
+        a pass over n_nodes tree nodes (0: a plain pass) and each row's lookup chain (None: no
+        chain; a path that took the chain's first token took the chain, the streams never
+        propose it); `going` is False when all is done."""
         self.stats.passes += 1
         self.stats.nodes += [n_nodes] if n_nodes else []
-        self.going = self._emit(new)
+        text = [len(t) > 1 and t[0] == c[0] for t, c in zip(new, chains)] if chains else None
+        self.going = self._emit(new, text=text)
 
-    def _emit(self, new, cached=True):
+    def _emit(self, new, cached=True, text=None):
         """The new tokens of each row; the pass cached the previous root and the drafts
         (cached=False: a prefill's roots). Finished rows hand their place on; full caches are
         rebuilt. False when all is done."""
@@ -133,7 +137,7 @@ class Batch:
                 self.ctx[b] += [self.last_token[i]] + toks[:-1]
             self.last_token[i] = toks[-1]
             if b not in self.done:
-                finished |= self._output(b, toks, cached)
+                finished |= self._output(b, toks, cached, text and text[i])
         if finished:
             free = [i for i, b in enumerate(self.prompt_of) if b in self.done]
             if len(free) > len(self.queue) and not self.stats.full_seconds:  # fewer rows from now
@@ -147,15 +151,17 @@ class Batch:
         self._slide()
         return True
 
-    def _output(self, b, toks, cached):
-        """Add a pass's tokens to prompt b's output; True when it is complete."""
+    def _output(self, b, toks, cached, text=False):
+        """Add a pass's tokens to prompt b's output (text: its drafts came from the text); True
+        when it is complete."""
         out = self.out[b]
         if self.eot in toks:
             toks = toks[:toks.index(self.eot) + 1]
         toks = toks[:self.max_new - len(out)]
         out += toks
-        if cached:
-            self.stats.accepted.append(len(toks))  # a pass cut short counts what it emitted
+        if cached:  # a pass cut short counts what it emitted
+            self.stats.accepted.append(len(toks))
+            self.stats.from_text.append(len(toks) - 1 if text else 0)
         shown = [t for t in toks if t != self.eot]
         self.emitted += len(shown)
         if self.on_tokens and shown:

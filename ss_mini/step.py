@@ -77,8 +77,9 @@ def forward_tree(model, cache, draft, tree):
     stream logits (B, m, D, V) of the m nodes with streams, or None if D = 0)."""
     positions = cache.length.unsqueeze(1) + draft.shape.depth
     positions = positions.clamp(max=model.config.block_size - 1)
+    tokens = draft.tokens.clamp_min(0) if tree.lookup_length else draft.tokens  # -1: no chain
     main_logits, stream_logits = model.forward_nodes(
-        draft.tokens, positions, cache.mask(draft.shape.window), cache=cache,
+        tokens, positions, cache.mask(draft.shape.window), cache=cache,
         stream_idx=draft.shape.stream_idx, draft_depth=tree.draft_depth)
     return draft, main_logits, stream_logits
 

@@ -106,10 +106,10 @@ def test_bench_warms_up_the_tree_it_measures_and_repeats(tiny_ckpt, monkeypatch,
     # warmed up on the calibration prompts
     assert warmed and not set(warmed) & {p for _, _, p in measured}
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"speedup {result['speedup']:.2f}x")
+    assert out[0].startswith(f"Speculative Streaming speedup {result['speedup']:.2f}x")
     assert f"tree {result['tree']}" in out[0]
     assert "greedy" in out[0] and "over 2 runs" in out[0]
-    assert out[1].startswith("prompt-lookup decoding alone (L4, ")
+    assert out[1].startswith("prompt lookup (L4): ") and "(a baseline, not the method)" in out[1]
     repeats = out[2].startswith("most of this speedup is drafting repeated text")
     assert (result["repeat_rate"] > 0.5) == repeats
     assert "93%" in bench.repeats_note(0.93) and bench.repeats_note(0.5) == ""
@@ -212,10 +212,22 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
     assert plain.stdout == ex["prompt"] + ex["greedy"]["continuation"] + "\n---------------\n"
 
 
-def test_the_tree_search_picks_plain_decoding_where_no_tree_pays(monkeypatch):
-    # 1,1 takes 12 passes of 3 ms where plain decoding takes 24 of 1 ms
+def test_the_search_reports_the_streams_even_where_no_tree_pays(monkeypatch):
+    """bench measures Speculative Streaming: its pick is a tree with stream nodes even where
+    plain decoding is faster (1,1 takes 12 passes of 3 ms where plain decoding takes 24 of 1)."""
     best, rows, _ = fake_tree_search(monkeypatch, {"none": (1, 1.0), "1,1": (2, 3.0)})
-    assert best == "none" and [(spec, n) for spec, n, _ in rows] == [("none", 0), ("1,1", 3)]
+    assert best == "1,1" and [(spec, n) for spec, n, _ in rows] == [("none", 0), ("1,1", 3)]
+
+
+def test_the_answer_has_stream_nodes_and_prompt_lookup_is_a_baseline(monkeypatch):
+    """Where prompt lookup alone (L12, 4x) beats every tree with streams, the answer is still
+    the fastest tree with stream nodes (1+L8, 1.6x); the lookup is the fastest of its kind."""
+    from ss_mini.lab.tree_choice import METHOD, kind
+    timings = {"none": (1, 1.0), "L12": (8, 2.0), "1,1": (2, 1.5), "1+L8": (4, 2.5)}
+    best, rows, _ = fake_tree_search(monkeypatch, timings)
+    assert best == "1+L8" and kind(best) in METHOD
+    fastest = max(rows, key=lambda row: row[2]["speedup"])
+    assert fastest[0] == "L12" and kind("L12") == "prompt lookup" and kind("n8") == "streams"
 
 
 def test_a_tree_must_clear_the_noise_of_plain_decoding_against_itself(monkeypatch):
@@ -234,13 +246,13 @@ def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch
     """A row whose tree search picks plain decoding (the tree `none`) is measured and reported
     like the others: tree none, speedup 1.00x, in the JSON and in the Markdown."""
     from ss_mini.lab import suite
-    real = suite.choose_tree
+    real = suite.choose_trees
 
     def search(model, calibration, cfg, kw, log):  # the sampled rows' search can only pick none
         candidates = "none" if cfg["temperature"] else "1,1"
         return real(model, calibration, dict(cfg, candidates=candidates), kw, log)
 
-    monkeypatch.setattr(suite, "choose_tree", search)
+    monkeypatch.setattr(suite, "choose_trees", search)
     doc = bench.main(["--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=2",
                       "--max_new_tokens=8", "--prompt_tokens=16", "--calibration_tokens=8",
                       "--repeats=2"])
@@ -251,11 +263,12 @@ def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch
         assert row["tree_nodes"] == 0 and row["speedups"] == [1.0, 1.0] and row["speedup"] == 1.0
     assert doc["worked_example"]["sampled"]["tree"] == "none"
     out = capsys.readouterr().out
-    table = [line for line in out.splitlines() if line.startswith("| python")]
+    table = [line for line in out.splitlines()
+             if line.startswith(("| python | held-out", "| python | never seen"))]
     assert len(table) == 6
     for line in table[1::3]:
-        assert "| T = 0.8 |" in line and "| none |" in line and "**1.00×** (1.00–1.00)" in line
-    assert "Tree none: no tree beat plain decoding on the calibration prompts" in out
+        assert "| T = 0.8 |" in line and "**1.00×** (1.00–1.00) `none`" in line
+    assert "Tree none: no candidate had stream nodes" in out
 
 
 def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):

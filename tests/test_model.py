@@ -11,6 +11,7 @@ from ss_mini.extras.distill import stream_teacher
 from ss_mini.extras.kernels import PackedLinear, pack_linears
 from ss_mini.kvcache import KVCache
 from ss_mini.masks import attention_window, pass_mask, tree_mask
+from ss_mini.io.checkpoint import param_counts
 from ss_mini.model import GPT, GPTConfig
 
 
@@ -280,10 +281,10 @@ def test_padded_targets_train_no_stream(targets):
 
 def test_param_report():
     model = random_model(n_streams=4)
-    base, draft = model.param_counts()
+    base, draft = param_counts(model)
     assert draft == 4 * 16
     assert base + draft == sum(p.numel() for p in model.parameters())
-    assert random_model(n_streams=0).param_counts() == (base, 0)
+    assert param_counts(random_model(n_streams=0)) == (base, 0)
 
 
 SLOTS = 128  # the test caches' slots
@@ -498,7 +499,7 @@ def test_config_errors():
 
 def test_medusa_heads_draft_from_the_last_hidden_state():
     model = random_model(std=0.3, n_streams=0, n_medusa_heads=2)
-    assert model.param_counts()[1] == 2 * (16 * 16 + 16 + 16 * 11)  # K (d^2 + d + d V)
+    assert param_counts(model)[1] == 2 * (16 * 16 + 16 + 16 * 11)  # K (d^2 + d + d V)
     idx = torch.randint(0, 11, (2, 9))
     main, drafts, losses = model(idx, idx)
     with torch.no_grad():

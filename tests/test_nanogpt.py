@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import bench
 import sample
 import train
-from ss_mini.io.checkpoint import load_checkpoint, load_model, model_config
+from ss_mini.io.checkpoint import is_draft_param, load_checkpoint, load_model, model_config
 from ss_mini.io.data import Tokenizer, load_split
 from ss_mini.baseline import generate_ar
 from ss_mini.generate import generate_speculative
@@ -131,7 +131,7 @@ def imported_model(source, **streams):
     """The imported model as train.py builds it: nanoGPT's weights, fresh streams."""
     model = GPT(model_config({**source["model_args"], **streams}))
     missing, unexpected = model.load_state_dict(source["model"], strict=False)
-    assert not unexpected and all(GPT.is_draft_param(k) for k in missing)
+    assert not unexpected and all(is_draft_param(k) for k in missing)
     return model.eval()
 
 
@@ -200,7 +200,7 @@ def test_lossless_fine_tune_then_sample_and_bench(tmp_path, capsys):
     trained, tok, _ = load_model(str(out))
     base = imported_model(import_nanogpt(str(nano)))
     for name, p in trained.named_parameters():
-        if not GPT.is_draft_param(name):
+        if not is_draft_param(name):
             assert torch.equal(p, base.state_dict()[name]), name
     # the streams trained
     assert trained.transformer.h[1].attn.stream_adapter.up.weight.abs().sum() > 0

@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 
-from ss_mini.io.checkpoint import load_model
+from ss_mini.io.checkpoint import is_draft_param, load_model
 from ss_mini.baseline import generate_ar
 from ss_mini.generate import generate_speculative
 from ss_mini.io.pretrained import crop_block_size, load_gpt2
-from ss_mini.model import GPT
 from ss_mini.extras import make_tree
 
 transformers = pytest.importorskip("transformers")
@@ -91,7 +90,7 @@ def test_gpt2_bpe_and_lossless_training(hf_gpt2, tmp_path):
     with torch.no_grad():
         assert torch.equal(trained(idx)[0], base.eval()(idx)[0])  # bit-identical main stream
         for name, p in trained.named_parameters():
-            if not GPT.is_draft_param(name):
+            if not is_draft_param(name):
                 assert torch.equal(p, base.state_dict()[name]), name
     r = _run("sample.py", f"--out_dir={out}", "--speculative", "--start=def f3(x):",
              "--max_new_tokens=12")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ss_mini.io.checkpoint import load_checkpoint, load_model
+from ss_mini.io.checkpoint import load_checkpoint, load_model, param_counts
 from ss_mini.masks import tree_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def test_train_end_to_end_resume_and_fine_tune(tmp_path):
     assert r.returncode == 0, r.stderr
     model, _, _ = load_model(str(ft))
     base, _, _ = load_model(str(plain))
-    assert model.config.n_streams == 2 and model.param_counts()[1] == 2 * 16
+    assert model.config.n_streams == 2 and param_counts(model)[1] == 2 * 16
     assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it trained
     lossless_fine_tune(tmp_path / "lossless", common, plain, base)
     medusa, vocab_size = medusa_fine_tune(tmp_path / "medusa", common, plain, base)
@@ -534,3 +534,17 @@ def test_training_is_reproducible(tmp_path):
     assert r.returncode == 0, r.stderr
     c = load_checkpoint(str(tmp_path / "c"))
     assert not torch.equal(a["model"]["lm_head.weight"], c["model"]["lm_head.weight"])
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "bench.py"])
+def test_help_says_what_every_option_does(script):
+    """--help: every option with its default and one line on what it does (the comment beside
+    or above it in the script's config block)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    options = r.stdout.split("options (--key=value, defaults shown):\n", 1)[1].splitlines()
+    assert options and all(len(line.split(None, 3)) == 4 for line in options), [
+        line for line in options if len(line.split(None, 3)) < 4]

@@ -69,12 +69,15 @@ class LookupTree(CartesianTree):
         streams = super().paths(depth, width)
         return streams[:1] + [(-1,) * j for j in range(1, self.chain + 1)] + streams[1:]
 
+    def chains(self, contexts):
+        """Each row's lookup chain, a list of `length` tokens, from its decoded tokens (the root
+        last); -1s for a row whose last token never occurred before: never accepted (the pass
+        runs them as token 0), and the streams then keep all of q_1."""
+        return [lookup(c, self.chain) or [-1] * self.chain for c in contexts]
+
     def lookup(self, contexts):
-        """Each row's lookup chain (B, length) on the device from its decoded tokens, the root
-        last; a row with no earlier occurrence drafts token 0s (verified like any draft; the
-        streams then leave token 0 to the chain)."""
-        chains = [lookup(c, self.chain) or [0] * self.chain for c in contexts]
-        return torch.tensor(chains, device=self.template.depth.device)
+        """The chains (B, length) on the device."""
+        return torch.tensor(self.chains(contexts), device=self.template.depth.device)
 
     def look(self, lookup):
         """The token from the text that each node tries first when sampling (B, n), -1 for none:

@@ -63,6 +63,19 @@ def make_checkpoint(model, **extra):
     return {"model": raw.state_dict(), "model_args": asdict(raw.config), **extra}
 
 
+def is_draft_param(name):
+    """Parameters that exist only for drafting: stream embeddings P, stream adapters, Medusa
+    heads, the pruning adapter (the paper's "extra parameters")."""
+    return (name == "stream_emb" or ".stream_adapter." in name
+            or name.startswith(("medusa_heads.", "prune_adapter.")))
+
+
+def param_counts(model):
+    """(base, draft) parameter counts."""
+    draft = sum(p.numel() for n, p in model.named_parameters() if is_draft_param(n))
+    return sum(p.numel() for p in model.parameters()) - draft, draft
+
+
 def load_model(path, device="cpu", dtype=torch.float32, lean=False):
     """(model in eval mode, tokenizer, checkpoint) from an out_dir or a ckpt.pt path. lean: the
     eager CPU path (extras/kernels.py `make_lean`), else the method's own classes."""

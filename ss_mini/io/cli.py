@@ -32,6 +32,25 @@ def _convert(key, raw, default):
     return raw
 
 
+def config_notes(path):
+    """{key: its comment} from a script's config block (the comment on a key's line, or the
+    comment lines just above it), for --help; {} where the source cannot be read."""
+    try:
+        lines = open(path, encoding="utf-8").read().split("\nconfig = dict(\n", 1)[1]
+    except (OSError, TypeError, IndexError):
+        return {}
+    notes, above = {}, []
+    for line in lines.split("\n)\n", 1)[0].splitlines():
+        code, _, comment = line.strip().partition("# ")
+        if not code:  # a comment line: it describes the key below
+            above.append(comment.strip())
+        elif "=" in code:
+            key = code.split("=", 1)[0].strip()
+            notes[key] = " ".join(above + [comment.strip()]).strip()
+            above = []
+    return notes
+
+
 def parse_args(config, argv=None, doc="", flags=(), given=None):
     """Return a copy of `config` with --key=value overrides applied.
 
@@ -44,9 +63,10 @@ def parse_args(config, argv=None, doc="", flags=(), given=None):
     for arg in argv:
         if arg in ("-h", "--help"):
             print(doc.strip() + "\n\noptions (--key=value, defaults shown):")
-            width = max(len(k) for k in cfg)
+            notes = config_notes(sys._getframe(1).f_globals.get("__file__"))
+            width = max(len(f"{k} = {v!r}") for k, v in cfg.items())
             for k, v in cfg.items():
-                print(f"  --{k:<{width}} = {v!r}")
+                print(f"  --{f'{k} = {v!r}':<{width}}  {notes.get(k, '')}".rstrip())
             raise SystemExit(0)
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}; options are --key=value (see --help)")

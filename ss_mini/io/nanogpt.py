@@ -30,7 +30,7 @@ from dataclasses import asdict
 import torch
 
 from ..extras import build_model
-from ..model import GPT, GPTConfig
+from ..model import GPTConfig
 
 # nanoGPT's model_args
 ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")

@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..extras import build_model
-from ..model import GPT, GPTConfig
+from ..model import GPTConfig
+from .checkpoint import is_draft_param
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -99,7 +100,7 @@ def load_gpt2(spec, **stream_args):
             ours[name].copy_(value)
         loaded.add(name)
     missing = [k for k in ours if k not in loaded and k.startswith("transformer.")
-               and not GPT.is_draft_param(k)]
+               and not is_draft_param(k)]
     if missing:
         raise RuntimeError(f"{weights} lacks {len(missing)} GPT-2 weights, e.g. {missing[0]}")
     return model

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from ..baseline import generate_ar
-from ..io.checkpoint import load_model, training_data
+from ..io.checkpoint import load_model, param_counts, training_data
 from ..io.cli import UsageError
 from ..io.data import load_split
 from .measure import repeat_rate, run_pair, summarize, tree_spec
@@ -43,7 +43,7 @@ def compare(dirs, cfg, device, dtype, log):
         elif (tok.meta(), ckpt["config"]["dataset"]) != first:
             raise UsageError(f"{d} was trained on other data than {dirs[0]}: compare models of "
                              "one dataset")
-        base, draft = model.param_counts()
+        base, draft = param_counts(model)
         row = dict(model=d, drafter=describe(model.config), draft_params=draft, base_params=base,
                    val_loss=val_loss(model, ckpt))
         if model.config.n_drafts:

@@ -117,6 +117,7 @@ def summarize(ar, ss):
     secs = lambda rs: sum(s.full_seconds for _, s in rs)
     passes = lambda rs: sum(s.full_passes for _, s in rs)
     accepted = [a for _, s in ss for a in s.accepted]
+    from_text = sum(t for _, s in ss for t in s.from_text)
     nodes = [n for _, s in ss for n in s.nodes]
     ar_tps, ss_tps = toks(ar) / secs(ar), toks(ss) / secs(ss)
     # the spans of a batch end at different tokens
@@ -140,6 +141,8 @@ def summarize(ar, ss):
                 accepted_histogram=dict(sorted(hist.items())),
                 new_tokens=sum(s.new_tokens for _, s in ss),
                 mean_nodes=sum(nodes) / max(1, len(nodes)), repeat_rate=repeat_rate(ar_rows),
+                # of the accepted drafts, the share drafted from the text (a lookup branch's)
+                text_share=from_text / max(1, sum(accepted) - len(accepted)),
                 ar_latency_s=latency(ar), ss_latency_s=latency(ss))
 
 

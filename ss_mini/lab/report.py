@@ -42,41 +42,59 @@ def suite_markdown(doc):
 
 
 def table_markdown(doc):
-    """The results table's lines: the machine, one row per SUITE row, and the notes under it."""
+    """The results table's lines: the machine, one row per SUITE row over its checkpoints, the
+    notes under it, and whether the search's pick carries to the measured prompts."""
     m, rows = doc["machine"], doc["rows"]
     threads = f"{m['threads']} thread" + "s" * (m["threads"] != 1)
+    seeds = max(len(r["checkpoints"]) for r in rows)
     out = [f"`python bench.py --suite` on {m['processor']} ({m['device']}), {threads}, torch "
-           f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, each row "
-           f"the median of {doc['repeats']} runs (the range in brackets; sampled rows draw with "
-           "seeds --seed, --seed + 1, ...), the rows taking turns run by run.", "",
-           "| model | text | decoding | command | tree | AR tokens/s | SS tokens/s | speedup | τ "
-           "| CR | output repeats |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"{m['torch']}, {m['dtype']}: {doc['max_new_tokens']} new tokens per prompt, "
+           f"{doc['repeats']} runs of each row on each of {seeds} checkpoint"
+           f"{'s' * (seeds != 1)} per model; a speedup is the median checkpoint's median run, "
+           "the range in brackets spans every checkpoint and run (sampled rows draw with seeds "
+           "--seed, --seed + 1, ...); the rows take turns run by run.", "",
+           "| model | text | decoding | plain tokens/s | prompt lookup | streams | streams + "
+           "lookup | **Speculative Streaming** (the pick) | τ | output repeats |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        text = "held-out" if r["prompts"] == "held-out" else f"never seen, `{r['prompts']}`"
-        out.append(f"| {r['dataset']} (`{r['checkpoint']}`) | {text}, {r['n_prompts']} prompts | "
-                   f"{r['decoding']} | `{r['command']}` | {r['tree']} | "
-                   f"{r['ar_tokens_per_s']:,.0f} | {r['ss_tokens_per_s']:,.0f} | "
-                   f"{speedup_cell(r['speedup'], *r['speedup_range'])} | "
-                   f"{r['mean_accepted']:.2f} | {r['call_reduction']:.2f} | "
-                   f"{r['repeat_rate']:.0%}{' †' if r['repeat_rate'] > 0.5 else ''} |")
-    out += ["", "τ: tokens per speculative pass (accepted drafts + 1); CR: autoregressive passes "
-            "/ speculative passes; output repeats: the share of the autoregressive output's "
-            "12-grams that occurred earlier in it; tree: the one the tree search picked on "
-            "calibration prompts kept apart from the reported ones; tokens/s, τ and CR are the "
-            "median run's (definitions: `ss_mini/lab/measure.py`)."]
-    if any(r["tree"] == "none" for r in rows):
-        out.append("Tree none: no tree beat plain decoding on the calibration prompts, so the row "
-                   "decodes plainly (speedup 1.00×: the same runs in both columns).")
-    if any(r["repeat_rate"] > 0.5 for r in rows):
-        out.append("† More than half of the output repeats itself: most of this speedup is "
-                   "drafting repeated text.")
+        text = "held-out" if r["prompts"] == "held-out" else f"never seen (`{r['prompts']}`)"
+        kinds = [r["kinds"].get(k) for k in ("prompt lookup", "streams", "streams + lookup")]
+        cells = [speedup_cell(k["speedup"], *k["speedup_range"]).replace("**", "")
+                 + f" `{'`, `'.join(sorted(set(k['trees'])))}`" if k else "–" for k in kinds]
+        ar = [s["ar_tokens_per_s"] for s in r["seeds"]]
+        rep = r["repeat_rates"]
+        out.append(f"| {r['dataset']} | {text} | {r['decoding']} | "
+                   f"{sorted(ar)[(len(ar) - 1) // 2]:,.0f} | {' | '.join(cells)} | "
+                   f"{speedup_cell(r['speedup'], *r['speedup_range'])} "
+                   f"`{'`, `'.join(r['trees'])}` | {r['mean_accepted']:.2f} | "
+                   f"{min(rep):.0%}–{max(rep):.0%} |")
+    out += ["", "Each cell: the speedup over plain decoding and the trees (one per checkpoint; "
+            "the pick: the tree search's on calibration prompts kept apart from the reported ones, "
+            "among the trees with stream nodes; the other columns: the fastest tree of that kind "
+            "in the same search). τ: the pick's tokens per pass (accepted drafts + 1); output "
+            "repeats: the share of plain decoding's 12-grams that occurred earlier in its output, "
+            "over the checkpoints. Prompt lookup drafts a repeated span whole, so where the "
+            "output repeats it leads, and the figures of streams + lookup follow the repeat rate "
+            "(definitions: `ss_mini/lab/measure.py`)."]
+    if any("none" in r["trees"] for r in rows):
+        out.append("Tree none: no candidate had stream nodes, so the row decodes plainly (1.00×: "
+                   "the same runs in both columns).")
     greedy = [r["match_rate"] for r in rows if r["temperature"] == 0]
     if greedy:
         out.append(f"Greedy outputs identical to autoregressive decoding on {min(greedy):.0%} of "
                    "prompts" + (" in every run." if min(greedy) == 1 else " in the worst run."))
-    out += [f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}."
-            for c in doc["checkpoints"]]
+    checks = [r for r in rows if r.get("pick_check") and r["pick_check"]["speedup"]]
+    if checks:
+        out += ["", "Does the pick carry? Every candidate with stream nodes once on the measured "
+                "prompts of the first checkpoint:", "",
+                "| model | decoding | the pick there | the best there |", "|---|---|---|---|"]
+        for r in checks:
+            c = r["pick_check"]
+            out.append(f"| {r['dataset']} | {r['decoding']} | `{c['tree']}` "
+                       f"{c['speedup']:.2f}× ({c['speedup'] / c['best_speedup']:.0%} of the best) "
+                       f"| `{c['best_tree']}` {c['best_speedup']:.2f}× |")
+    out += ["", *[f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}."
+                  for c in doc["checkpoints"][:1]]]
     return out
 
 

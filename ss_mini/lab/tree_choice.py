@@ -19,6 +19,7 @@ from ..io.data import load_split
 from ..baseline import generate_ar
 from .measure import prompt_speedups, run_interleaved, run_pair, speculative, summarize, unreliable
 from ..extras import make_tree
+from ..extras.lookup import LookupTree
 
 
 def validation_prompts(ckpt, tok, n, length):
@@ -52,16 +53,18 @@ def file_prompts(path, tok):
 
 def pick_prompts(cfg, ckpt, tok):
     """(prompts, calibration prompts), disjoint, so that the reported prompts are not the ones
-    the tree search tuned on: held-out validation snippets, num_prompts // 3 of them (at least
-    2) spread evenly among the rest to calibrate (every 4th of the default 16), or from
-    --prompts the first few calibrate and the rest are reported (a file with no more prompts
-    than that calibrates on the prompts it reports; bench then says so)."""
+    the tree search tuned on: held-out validation snippets, 2 num_prompts // 3 of them (at
+    least 2) spread evenly among the rest to calibrate (8 of the default 20: a pick from fewer
+    prompts did not carry to the measured ones), or from --prompts the first num_prompts // 3
+    calibrate and the rest are reported (a file with no more prompts than that calibrates on the
+    prompts it reports; bench then says so)."""
     n_cal = max(2, cfg["num_prompts"] // 3)
     if cfg["prompts"]:
         prompts = file_prompts(cfg["prompts"], tok)
         if len(prompts) <= n_cal:
             return prompts[:cfg["num_prompts"]], prompts
         return prompts[n_cal:][:cfg["num_prompts"]], prompts[:n_cal]
+    n_cal = max(2, 2 * cfg["num_prompts"] // 3)
     both = validation_prompts(ckpt, tok, cfg["num_prompts"] + n_cal, cfg["prompt_tokens"])
     cal = [len(both) * (k + 1) // n_cal - 1 for k in range(n_cal)]  # the last of each n_cal-th
     return [p for i, p in enumerate(both) if i not in cal], [both[i] for i in cal]
@@ -72,6 +75,18 @@ def decode_kwargs(cfg, tok):
     return dict(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
                 top_k=cfg["top_k"] or None, top_p=cfg["top_p"], seed=cfg["seed"], eot=tok.eot,
                 batch_size=cfg["batch_size"])
+
+
+def kind(spec):
+    """What drafts a tree: 'streams', 'streams + lookup' (a lookup branch beside them), 'prompt
+    lookup' (the text alone: a baseline, not the method) or 'plain' (none)."""
+    if spec == "none":
+        return "plain"
+    return "prompt lookup" if spec.startswith("L") else ("streams + lookup" if "+L" in spec
+                                                        else "streams")
+
+
+METHOD = ("streams", "streams + lookup")  # the kinds whose figure is Speculative Streaming's
 
 
 def tree_search(model, calibration, cfg, kw, log):
@@ -86,7 +101,9 @@ def tree_search(model, calibration, cfg, kw, log):
     noise, and the smaller tree is the one that two runs agree on). Every decoder is warmed
     up on the first prompt; then all take turns on each prompt before the next prompt starts,
     so a burst of load on this machine spreads over many candidates instead of deciding one
-    row. Returns (that spec, the rows (spec, nodes, summary))."""
+    row. The pick is among the trees with stream nodes (`METHOD`): the method's figure, whatever
+    plain decoding or prompt lookup alone would give. Returns (that spec, the rows (spec, nodes,
+    summary))."""
     g = model.config.n_drafts
     candidates = [c for c in cfg["candidates"].split(";")  # those as deep as the model drafts
                   if c and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
@@ -109,7 +126,7 @@ def tree_search(model, calibration, cfg, kw, log):
     # median over them, as a tree's speedup is)
     plain = [s for spec, s in zip(candidates, ss) if spec == "none"]
     noise = statistics.median(abs(x - 1) for x in prompt_speedups(ar, plain[0])) if plain else 0.0
-    best = pick(rows, noise, cfg["tie_margin"])
+    best = pick([row for row in rows if kind(row[0]) in METHOD] or rows, noise, cfg["tie_margin"])
     need = 1 + max(cfg["tie_margin"], noise)
     log_search(rows, fastest, best, calibration, cfg, kw, log)
     if plain:
@@ -161,7 +178,15 @@ def log_search(rows, fastest, best, calibration, cfg, kw, log):
 def choose_tree(model, calibration, cfg, kw, log):
     """The tree to measure: --tree, or the tree search's pick (--tree=auto); then this very
     tree object, whose shapes are built on first use, warms up on the calibration prompts."""
-    spec = cfg["tree"]
+    return choose_trees(model, calibration, cfg, kw, log)[0]
+
+
+def choose_trees(model, calibration, cfg, kw, log):
+    """(the tree to measure, {kind: the tree measured beside it}): with the search, the fastest
+    tree of each other kind on the calibration prompts (prompt lookup alone, the streams alone,
+    the streams with a lookup branch), where candidates of it were tried; with --tree, prompt
+    lookup alone (`lookup_baseline`). Each tree warms up on the calibration prompts."""
+    spec, rows = cfg["tree"], []
     if spec == "auto" or cfg.get("sweep"):
         best, rows = tree_search(model, calibration, cfg, kw, log)
         if cfg["plot"]:
@@ -173,10 +198,27 @@ def choose_tree(model, calibration, cfg, kw, log):
                              model.config.n_drafts)
             log(f"tree search plotted in {cfg['plot']}")
         spec = best if spec == "auto" else spec
-    tree = make_tree(spec, model.config.n_drafts)
-    run_pair(model, calibration, tree,
-             {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])})
-    return tree
+    g, warm = model.config.n_drafts, {**kw, "max_new_tokens": min(kw["max_new_tokens"],
+                                                                    cfg["calibration_tokens"])}
+    tree = make_tree(spec, g)
+    others = {}
+    for k in ("prompt lookup", *METHOD):
+        of_kind = [row for row in rows if kind(row[0]) == k and row[0] != spec]
+        if of_kind and (k != kind(spec) or k == "prompt lookup"):
+            others[k] = make_tree(max(of_kind, key=lambda row: row[2]["speedup"])[0], g)
+    if "prompt lookup" not in others and lookup_baseline(tree) is not None:
+        others["prompt lookup"] = lookup_baseline(tree)
+    for t in [tree, *others.values()]:
+        run_pair(model, calibration, t, warm)
+    return tree, others
+
+
+def lookup_baseline(tree):
+    """Prompt-lookup decoding with the same model, cache and step, to compare a tree with: L
+    and the tree's lookup length (L4 for a tree without one); None for a lookup-only tree."""
+    if tree is None or (tree.lookup_length and not tree.ks):
+        return None
+    return LookupTree((), tree.lookup_length or 4)
 
 
 def batched(prompts, batch_size, waves=2, queues=2):
