@@ -216,6 +216,11 @@ def report(cfg, stats, tree, trace, prompt, outs):
     print(f"[{kind}] {batch}{stats.new_tokens} new tokens, {stats.tokens_per_s:.0f} tokens/s, "
           f"{stats.passes} forward passes (the prefill and any window rebuilds included), "
           f"{stats.mean_accepted:.2f} tokens per pass", file=sys.stderr)
+    drafts = sum(stats.accepted) - len(stats.accepted)
+    if cfg["speculative"] and tree.lookup_length and tree.ks and drafts:
+        text = sum(stats.from_text) / drafts
+        print(f"accepted drafts: {1 - text:.0%} from the streams, {text:.0%} from the text",
+              file=sys.stderr)
     if trace:
         trace.finish(prompt, outs[0])
         trace.save(cfg["trace"])

@@ -921,3 +921,33 @@ def test_lookup_branches_sample_exactly(spec):
             counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     ok, stat, crit = _chi_square_ok(counts, probs, 64 * 40)
     assert ok, f"chi-square {stat:.1f} >= {crit:.1f}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_lookup_that_finds_nothing_leaves_q1_whole(temperature):
+    """A row whose last token never occurred before drafts -1s, never accepted, and takes no
+    token out of q_1: the streams rank exactly as without a lookup branch."""
+    tree = make_tree("2,1+L3", 3)
+    assert tree.chains([[1, 2, 3], [1, 2, 1]]) == [[-1, -1, -1], [2, 1, 2]]
+    q = torch.randn(2, 2, 11, dtype=torch.float64)
+    for exclude, kept in ((torch.tensor([[[-1]], [[-1]]]), True),
+                          (torch.tensor([[[4]], [[4]]]), False)):
+        sampler = Sampler(temperature, None, None, 5, "cpu")
+        got = sampler.draft(q, 11, exclude)[0]
+        sampler = Sampler(temperature, None, None, 5, "cpu")
+        want = sampler.draft(q, 11)[0]
+        assert torch.equal(got, want) == kept
+        assert kept or (got[:, 0, -1] == 4).all()  # left out: ranked last
+
+
+def test_stats_count_the_accepted_drafts_from_the_text():
+    """Stats.from_text: per pass, the accepted drafts that came from the lookup chain; none for
+    a tree without one, some on a looping output, never more than the pass accepted."""
+    model = random_model(seed=1, std=0.4)
+    prompt = [1, 2, 3, 4] * 4
+    _, plain = generate_speculative(model, prompt, 60, make_tree("1,1", 3))
+    _, both = generate_speculative(model, prompt, 60, make_tree("1,1+L6", 3))
+    assert set(plain.from_text) == {0} and len(both.from_text) == len(both.accepted)
+    assert sum(both.from_text) > 0
+    assert all(0 <= t <= a - 1 or (t == 0 and a == 0) for t, a in zip(both.from_text,
+                                                                       both.accepted))

@@ -158,7 +158,9 @@ def test_trace_records_the_mask_and_tree_each_pass_used(case):
         probs = torch.softmax(step["q"].double(), -1)
         ranked_q = step["q"].clone()  # a lookup tree's streams leave the text's first token out
         if len(ranked_q):
-            ranked_q[0, [u["token"] for u in nodes[1:] if u["rank"] < 0 and u["depth"] == 1]] = -1e9
+            # (a lookup that found nothing, -1s, leaves q_1 whole)
+            ranked_q[0, [u["token"] for u in nodes[1:]
+                         if u["rank"] < 0 and u["depth"] == 1 and u["token"] >= 0]] = -1e9
         for u in nodes[1:]:
             d = u["depth"] - 1
             if u["rank"] < 0:  # a draft from the text: no draft probability

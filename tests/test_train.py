@@ -258,9 +258,11 @@ def test_bench_json(tiny_ckpt):
     assert doc["match_rate"] == 1.0 and doc["tree"] in ("1,1,1", "n4")
     # the checkpoint's corpus
     assert doc["corpus"]["sha256"] and doc["corpus"]["source"].startswith("Python")
-    report = r.stderr.strip().splitlines()
+    # (a busy machine adds warnings to stderr)
+    report = [line for line in r.stderr.strip().splitlines() if not line.startswith("warning:")]
     # the answer first
-    assert report[0].startswith(f"speedup {doc['speedup']:.2f}x") and "over 3 runs" in report[0]
+    assert report[0].startswith(f"Speculative Streaming speedup {doc['speedup']:.2f}x")
+    assert "over 3 runs" in report[0] and doc["lookup_only"]["tree"] == "L4"
     assert any(line.startswith("corpus: Python") and doc["corpus"]["sha256"] in line
                for line in report)
 
@@ -285,10 +287,11 @@ def test_bench_keeps_calibration_prompts_apart(tmp_path, monkeypatch):
     path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
     prompts, calibration = pick_prompts(cfg, None, Tok)
     assert prompts == calibration == [Tok.encode(f"prompt {i}") for i in range(3)]
-    # held-out snippets: num_prompts reported, num_prompts // 3 (at least 2) apart to calibrate
+    # held-out snippets: num_prompts reported, 2 num_prompts // 3 (at least 2) apart to calibrate
     monkeypatch.setattr(tree_choice, "validation_prompts", lambda ckpt, tok, n, length:
                         [[i] for i in range(n)])
-    for n, want in ((12, [[3], [7], [11], [15]]), (1, [[0], [2]]), (5, [[2], [6]])):
+    for n, want in ((12, [[1], [4], [6], [9], [11], [14], [16], [19]]), (1, [[0], [2]]),
+                    (5, [[1], [4], [7]])):
         prompts, calibration = pick_prompts(dict(cfg, prompts="", num_prompts=n), None, Tok)
         assert calibration == want and len(prompts) == n and not set(map(tuple, prompts)) & set(
             map(tuple, calibration))

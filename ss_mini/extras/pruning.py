@@ -80,7 +80,7 @@ def pruned_forward(model, cache, draft, tree, threshold):
     layers' cached keys and values of the kept nodes move to slots L..L+kept-1."""
     if draft.tokens.shape[0] != 1:
         raise ValueError("parallel tree pruning decodes one prompt at a time: give one prompt")
-    shape, tokens = draft.shape, draft.tokens
+    shape, tokens = draft.shape, draft.tokens.clamp_min(0)  # a lookup that found nothing: -1
     L, n = int(cache.length[0]), shape.n_nodes
     positions = (cache.length[:, None] + shape.depth).clamp(max=model.config.block_size - 1)
     h = model.forward_bottom(tokens, positions, cache.mask(shape.window), cache, tree.draft_depth)
@@ -99,8 +99,8 @@ def pruned_forward(model, cache, draft, tree, threshold):
             k = torch.tensor(kept, device=h.device)
             for kv in cache.kv[:model.first_msa_layer(tree.draft_depth)]:
                 kv[:, L:L + len(kept)] = kv[:, L + k]
-            h, tokens = h[:, k], tokens[:, k]
-            draft = draft._replace(tokens=tokens, shape=shape)
+            h = h[:, k]
+            draft = draft._replace(tokens=draft.tokens[:, k], shape=shape)
     main_logits, draft_logits = model.forward_top(h, cache.mask(shape.window), shape.stream_idx,
                                                   cache, tree.draft_depth)
     return draft, main_logits, draft_logits
