@@ -12,8 +12,8 @@ One forward serves training and decoding (`forward_nodes`): a set of main *nodes
 when training, a tree draft when decoding) with the attention mask of masks.py, plus the
 streams of some nodes. With a `KVCache` the nodes' keys and values go after the cached
 prefix; the stream rows' serve the pass itself and lie past the row's length, never
-accepted: a stream reads the main stream's cache. The forward is split at stream insertion (`forward_bottom`,
-`forward_top`), where parallel tree pruning acts (extras/pruning.py).
+accepted: a stream reads the main stream's cache. The forward is split at stream insertion
+(`forward_bottom`, `forward_top`), where parallel tree pruning acts (extras/pruning.py).
 
 Extensions subclass GPT in ss_mini/extras/ (Medusa heads, the pruning adapter, the lossless
 mode's stream-only adapters), built by `ss_mini.build_model`.

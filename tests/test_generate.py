@@ -270,7 +270,8 @@ def _draft(tree, root, q, max_depth, vocab_size):
     tree.bind(cfg, "cpu", torch.float32)
     shape = tree.shape(q[None], None, torch.tensor([max_depth]))
     ranked = torch.topk(q[None], tree.width, dim=-1).indices
-    tokens = torch.cat([torch.tensor([[root]]), ranked.flatten(1).gather(1, shape.token_index)], dim=1)
+    tokens = torch.cat([torch.tensor([[root]]), ranked.flatten(1).gather(1, shape.token_index)],
+                       dim=1)
     return tokens[0].tolist(), host_shape(shape)
 
 

@@ -139,9 +139,10 @@ def summarize_row(row, items):
 def pick_check(w, cfg):
     """Does the search's pick carry to the measured prompts? Every candidate with stream nodes
     once on them, interleaved with plain decoding: the pick's speedup there and the best one's."""
+    g = w["model"].config.n_drafts
     specs = [c for c in cfg["candidates"].split(";") if kind(c) in METHOD
-             and (c.startswith("n") or len(c.split("+")[0].split(",")) <= w["model"].config.n_drafts)]
-    trees = [make_tree(c, w["model"].config.n_drafts) for c in specs]
+             and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
+    trees = [make_tree(c, g) for c in specs]
     ar, *ss = run_interleaved(w["prompts"], [speculative(w["model"], t, w["kw"])
                                              for t in (None, *trees)])
     speedups = {c: summarize(ar, s)["speedup"] for c, s in zip(specs, ss)}
