@@ -27,7 +27,6 @@ ss_mini/lab/measure.py.
 """
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -43,9 +42,9 @@ from ss_mini.extras.pruning import pruned_step
 from ss_mini.baseline import generate_ar
 from ss_mini.generate import generate_speculative
 from ss_mini.lab.compare import compare, describe
-from ss_mini.lab.measure import (compiled_steps, machine, over_runs, plain, run_interleaved,
-                                 run_kwargs, run_pair, speculative, summarize, threads,
-                                 tree_spec, unreliable)
+from ss_mini.lab.measure import (compiled_steps, machine, others_report, over_runs, plain,
+                                 run_interleaved, run_kwargs, run_pair, sources, speculative,
+                                 summarize, threads, tree_name, tree_spec, unreliable)
 from ss_mini.lab.report import suite_markdown
 from ss_mini.lab.step_cost import profile, roofline, step_costs, train_bench
 from ss_mini.lab.suite import suite
@@ -131,10 +130,6 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
 NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost",
                   "compile", "prune_threshold", "train_steps", "batch_size",
                   "batch_sweep")  # --suite sets these per row
-
-
-def tree_name(tree):
-    return f"{tree} ({len(tree)} nodes)" if tree else "none (plain decoding: no tree pays here)"
 
 
 def mode_of(temperature):
@@ -227,35 +222,6 @@ def measured_runs(model, prompts, calibration, tree, others, kw, cfg, log, progr
         decoders += [speculative(model, t, kw_i) for t in others.values()]
         runs.append(run_interleaved(prompts, decoders))
     return runs
-
-
-def others_report(runs, r, tree, others, log):
-    """The trees measured beside the answer (the last decoders of each run) against plain
-    decoding and the answer's tree: ({kind: its summary}, a line for each)."""
-    out, lines = {}, []
-    for j, (name, t) in enumerate(others.items(), start=len(runs[0]) - len(others)):
-        xs = [summarize(run[0], run[j]) for run in runs]
-        ratio = [summarize(*run[:2])["ss_tokens_per_s"] / x["ss_tokens_per_s"]
-                 for run, x in zip(runs, xs)]
-        m, (lo, hi) = xs[r["median_run"]], (min(x["speedup"] for x in xs),
-                                            max(x["speedup"] for x in xs))
-        lines.append(f"{name} ({t}): {m['speedup']:.2f}x plain ({lo:.2f}-{hi:.2f}x), tau "
-                     f"{m['mean_accepted']:.2f}{sources(m, t)}; tree {tree_name(tree)} "
-                     f"{statistics.median(ratio):.2f}x it" + " (a baseline, not the method)"
-                     * (name == "prompt lookup"))
-        out[name] = dict(m, tree=str(t), speedups=[x["speedup"] for x in xs],
-                         tree_over_this=ratio)
-        log("  " + lines[-1])
-    return out, lines
-
-
-def sources(r, tree):
-    """', drafts accepted: X% from the streams, Y% from the text' for a tree with a lookup
-    branch beside its streams ('' otherwise)."""
-    if tree is None or not (tree.lookup_length and tree.ks):
-        return ""
-    return (f", accepted drafts {1 - r['text_share']:.0%} from the streams, "
-            f"{r['text_share']:.0%} from the text")
 
 
 def prompts_phrase(cfg, prompts):

@@ -321,3 +321,36 @@ def unreliable(what):
     """Warn, on stderr, that a measurement cannot be right as measured."""
     print(f"warning: {what}: another process is probably competing for the cores, so these "
           "measurements are unreliable; rerun on an idle machine", file=sys.stderr, flush=True)
+
+
+def tree_name(tree):
+    return f"{tree} ({len(tree)} nodes)" if tree else "none (plain decoding: no tree pays here)"
+
+
+def others_report(runs, r, tree, others, log):
+    """The trees measured beside the answer (the last decoders of each run) against plain
+    decoding and the answer's tree: ({kind: its summary}, a line for each)."""
+    out, lines = {}, []
+    for j, (name, t) in enumerate(others.items(), start=len(runs[0]) - len(others)):
+        xs = [summarize(run[0], run[j]) for run in runs]
+        ratio = [summarize(*run[:2])["ss_tokens_per_s"] / x["ss_tokens_per_s"]
+                 for run, x in zip(runs, xs)]
+        m, (lo, hi) = xs[r["median_run"]], (min(x["speedup"] for x in xs),
+                                            max(x["speedup"] for x in xs))
+        lines.append(f"{name} ({t}): {m['speedup']:.2f}x plain ({lo:.2f}-{hi:.2f}x), tau "
+                     f"{m['mean_accepted']:.2f}{sources(m, t)}; tree {tree_name(tree)} "
+                     f"{statistics.median(ratio):.2f}x it" + " (a baseline, not the method)"
+                     * (name == "prompt lookup"))
+        out[name] = dict(m, tree=str(t), speedups=[x["speedup"] for x in xs],
+                         tree_over_this=ratio)
+        log("  " + lines[-1])
+    return out, lines
+
+
+def sources(r, tree):
+    """', drafts accepted: X% from the streams, Y% from the text' for a tree with a lookup
+    branch beside its streams ('' otherwise)."""
+    if tree is None or not (tree.lookup_length and tree.ks):
+        return ""
+    return (f", accepted drafts {1 - r['text_share']:.0%} from the streams, "
+            f"{r['text_share']:.0%} from the text")
