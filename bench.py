@@ -126,7 +126,7 @@ RULES = dict(num_prompts=at_least(1), prompt_tokens=at_least(1), max_new_tokens=
                       "a JSON-lines file that exists (or empty)"),
              suite_dirs=(lambda v: len(v.split(",")) == 2 and all(all(d.split("+"))
                                                                    for d in v.split(",")),
-                         "two folders, CODE_DIR,PROSE_DIR"))
+                         "two folders, CODE_DIR,PROSE_DIR, each DIR or DIR+DIR+..."))
 NOT_WITH_SUITE = ("out_dir", "prompts", "temperature", "sweep", "profile", "compare", "pass_cost",
                   "compile", "prune_threshold", "train_steps", "batch_size",
                   "batch_sweep")  # --suite sets these per row
