@@ -253,22 +253,29 @@ def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch
         return real(model, calibration, dict(cfg, candidates=candidates), kw, log)
 
     monkeypatch.setattr(suite, "choose_trees", search)
-    doc = bench.main(["--suite", f"--suite_dirs={tiny_ckpt},{tiny_ckpt}", "--num_prompts=2",
-                      "--max_new_tokens=8", "--prompt_tokens=16", "--calibration_tokens=8",
-                      "--repeats=2"])
+    doc = bench.main(["--suite", f"--suite_dirs={tiny_ckpt}+{tiny_ckpt},{tiny_ckpt}",
+                      "--num_prompts=2", "--max_new_tokens=8", "--prompt_tokens=16",
+                      "--calibration_tokens=8", "--repeats=2"])
     rows = doc["rows"]
     assert [(row["decoding"], row["tree"]) for row in rows] == [
         ("greedy", "1,1"), ("T = 0.8", "none"), ("greedy", "1,1")] * 2
     for row in rows[1::3]:
-        assert row["tree_nodes"] == 0 and row["speedups"] == [1.0, 1.0] and row["speedup"] == 1.0
+        assert row["tree_nodes"] == 0 and row["speedup"] == 1.0
+        assert row["speedups"] == [1.0] * 2 * len(row["checkpoints"])
+    assert [len(row["checkpoints"]) for row in rows] == [2, 2, 2, 1, 1, 1]
     assert doc["worked_example"]["sampled"]["tree"] == "none"
-    out = capsys.readouterr().out
-    table = [line for line in out.splitlines()
-             if line.startswith(("| python | held-out", "| python | never seen"))]
-    assert len(table) == 6
-    for line in table[1::3]:
+    out = capsys.readouterr().out.split("\n\n")  # the Markdown's paragraphs and tables
+    table = next(p for p in out if p.startswith("| model | text | decoding | plain")).splitlines()
+    assert len(table) == 2 + 6
+    for line in table[3::3]:
         assert "| T = 0.8 |" in line and "**1.00×** (1.00–1.00) `none`" in line
-    assert "Tree none: no candidate had stream nodes" in out
+    assert any(line.startswith("Tree none: no candidate had stream nodes")
+               for p in out for line in p.splitlines())
+    # the pick's check on every row with streams, and each code row per checkpoint
+    picks = next(p for p in out if p.startswith("| model | text | decoding | the pick")).splitlines()
+    assert len(picks) == 2 + 4 and all("`1,1`" in line for line in picks[2:])
+    per = next(p for p in out if p.startswith("| model | text | decoding | checkpoint")).splitlines()
+    assert len(per) == 2 + 3 * 2 + 3 and per[2].count(f"`{tiny_ckpt}`") == 1
 
 
 def test_batch_sweep_json_and_plot(tiny_ckpt, tmp_path):

@@ -38,7 +38,12 @@ def speedup_cell(x, lo, hi):
 
 
 def suite_markdown(doc):
-    return "\n".join(table_markdown(doc) + example_markdown(doc["worked_example"]))
+    return "\n".join(table_markdown(doc) + checkpoints_markdown(doc)
+                     + example_markdown(doc["worked_example"]))
+
+
+def text_of(row):
+    return "held-out" if row["prompts"] == "held-out" else f"never seen (`{row['prompts']}`)"
 
 
 def table_markdown(doc):
@@ -57,7 +62,7 @@ def table_markdown(doc):
            "lookup | **Speculative Streaming** (the pick) | τ | output repeats |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        text = "held-out" if r["prompts"] == "held-out" else f"never seen (`{r['prompts']}`)"
+        text = text_of(r)
         kinds = [r["kinds"].get(k) for k in ("prompt lookup", "streams", "streams + lookup")]
         cells = [speedup_cell(k["speedup"], *k["speedup_range"]).replace("**", "")
                  + f" `{'`, `'.join(sorted(set(k['trees'])))}`" if k else "–" for k in kinds]
@@ -87,14 +92,31 @@ def table_markdown(doc):
     if checks:
         out += ["", "Does the pick carry? Every candidate with stream nodes once on the measured "
                 "prompts of the first checkpoint:", "",
-                "| model | decoding | the pick there | the best there |", "|---|---|---|---|"]
+                "| model | text | decoding | the pick there | the best there |",
+                "|---|---|---|---|---|"]
         for r in checks:
             c = r["pick_check"]
-            out.append(f"| {r['dataset']} | {r['decoding']} | `{c['tree']}` "
+            out.append(f"| {r['dataset']} | {text_of(r)} | {r['decoding']} | `{c['tree']}` "
                        f"{c['speedup']:.2f}× ({c['speedup'] / c['best_speedup']:.0%} of the best) "
                        f"| `{c['best_tree']}` {c['best_speedup']:.2f}× |")
     out += ["", *[f"`{c['checkpoint']}` was trained on: {describe_fingerprint(c['corpus'])}."
                   for c in doc["checkpoints"][:1]]]
+    return out
+
+
+def checkpoints_markdown(doc):
+    """Each row's figures per checkpoint (the pick's), when a model has more than one."""
+    if max(len(r["seeds"]) for r in doc["rows"]) < 2:
+        return []
+    out = ["", "Per checkpoint (the pick's median run; the range over its runs):", "",
+           "| model | text | decoding | checkpoint | tree | plain tokens/s | speedup | τ | "
+           "output repeats |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        for s in r["seeds"]:
+            out.append(f"| {r['dataset']} | {text_of(r)} | {r['decoding']} | `{s['checkpoint']}` "
+                       f"| `{s['tree']}` | {s['ar_tokens_per_s']:,.0f} | "
+                       f"{speedup_cell(s['speedup'], *s['speedup_range']).replace('**', '')} | "
+                       f"{s['tau']:.2f} | {s['repeat_rate']:.0%} |")
     return out
 
 

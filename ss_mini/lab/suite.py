@@ -69,7 +69,7 @@ def suite(cfg, defaults, sample_defaults, device, dtype, progress):
         for w in work:
             w["runs"].append(run_row(w, k))
     for i, w in enumerate(work):
-        if w["first"] and cfg["tree"] == "auto" and w["row"]["prompts"] == "held-out":
+        if w["first"] and cfg["tree"] == "auto":
             progress(f"suite: {i + 1}/{len(work)}: every candidate on the measured prompts")
             w["row"]["pick_check"] = pick_check(w, cfg)
     for row in rows:
