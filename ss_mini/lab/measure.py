@@ -348,7 +348,7 @@ def others_report(runs, r, tree, others, log):
 
 
 def sources(r, tree):
-    """', drafts accepted: X% from the streams, Y% from the text' for a tree with a lookup
+    """', accepted drafts X% from the streams, Y% from the text' for a tree with a lookup
     branch beside its streams ('' otherwise)."""
     if tree is None or not (tree.lookup_length and tree.ks):
         return ""

@@ -33,8 +33,9 @@ def side_by_side(columns, width=40, lines=3):
     return [" | ".join(f"{c[i]:<{width}}" for c in cells).rstrip() for i in range(depth)]
 
 
-def speedup_cell(x, lo, hi):
-    return f"**{x:.2f}×** ({lo:.2f}–{hi:.2f})"
+def speedup_cell(x, lo, hi, bold=True):
+    mark = "**" if bold else ""
+    return f"{mark}{x:.2f}×{mark} ({lo:.2f}–{hi:.2f})"
 
 
 def suite_markdown(doc):
@@ -64,7 +65,7 @@ def table_markdown(doc):
     for r in rows:
         text = text_of(r)
         kinds = [r["kinds"].get(k) for k in ("prompt lookup", "streams", "streams + lookup")]
-        cells = [speedup_cell(k["speedup"], *k["speedup_range"]).replace("**", "")
+        cells = [speedup_cell(k["speedup"], *k["speedup_range"], bold=False)
                  + f" `{'`, `'.join(sorted(set(k['trees'])))}`" if k else "–" for k in kinds]
         ar = [s["ar_tokens_per_s"] for s in r["seeds"]]
         rep = r["repeat_rates"]
@@ -115,7 +116,7 @@ def checkpoints_markdown(doc):
         for s in r["seeds"]:
             out.append(f"| {r['dataset']} | {text_of(r)} | {r['decoding']} | `{s['checkpoint']}` "
                        f"| `{s['tree']}` | {s['ar_tokens_per_s']:,.0f} | "
-                       f"{speedup_cell(s['speedup'], *s['speedup_range']).replace('**', '')} | "
+                       f"{speedup_cell(s['speedup'], *s['speedup_range'], bold=False)} | "
                        f"{s['tau']:.2f} | {s['repeat_rate']:.0%} |")
     return out
 
