@@ -92,7 +92,8 @@ def table_markdown(doc):
     checks = [r for r in rows if r.get("pick_check") and r["pick_check"]["speedup"]]
     if checks:
         out += ["", "Does the pick carry? Every candidate with stream nodes once on the measured "
-                "prompts of the first checkpoint:", "",
+                "prompts of the first checkpoint (one run each: the best of 14 single runs is "
+                "lifted by their noise):", "",
                 "| model | text | decoding | the pick there | the best there |",
                 "|---|---|---|---|---|"]
         for r in checks:
