@@ -117,9 +117,11 @@ def lockstep_search(model, calibration, specs, trees, kw, tie_margin):
     return pick(rows, 0.0, tie_margin)[0], rows
 
 
-def main():
-    out_dir, temperature = sys.argv[1], float(sys.argv[2])
-    prompts_file = sys.argv[3] if len(sys.argv) > 3 else ""
+def main(args):
+    usage = "give CHECKPOINT_DIR TEMPERATURE [PROMPTS.jsonl], e.g. `out 0.8`"
+    if len(args) not in (2, 3) or not args[1].replace(".", "", 1).isdigit():
+        raise ValueError(usage)
+    out_dir, temperature, prompts_file = args[0], float(args[1]), (args[2:] or [""])[0]
     cfg = dict(bench.config, out_dir=out_dir, temperature=temperature, prompts=prompts_file)
     model, tok, ckpt = load_model(out_dir, lean=True)
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
@@ -162,4 +164,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main(sys.argv[1:])
+    except (FileNotFoundError, RuntimeError, ValueError) as e:  # as bench.py reports them
+        sys.exit(f"error: {e}")
