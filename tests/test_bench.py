@@ -193,6 +193,9 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
     assert doc["checkpoints"][0]["corpus"]["sha256"]
     # the Markdown
     assert "| model | text | decoding |" in r.stderr and "### Worked example" in r.stderr
+    # the pick's check on the first checkpoint: every candidate once, the Markdown says how many
+    assert set(rows[0]["pick_check"]["speedups"]) == {"1,1", "n4"}
+    assert "(one run each: the best of 2 single runs is lifted by their noise)" in r.stderr
     ex = doc["worked_example"]
     taus = ex["greedy_taus"]  # of the first row's prompts: the example is the one in the middle
     assert len(taus) == 3 and ex["greedy"]["tau"] == taus[ex["prompt_index"]] == sorted(taus)[1]
