@@ -1,5 +1,5 @@
-"""How well does the tree search's timing predict the measured prompts? (docs/seeds.md, "Where
-the search's noise comes from")
+"""How well does the tree search's timing predict the measured prompts? (docs/seeds.md, "How
+steady is the pick?")
 
     python docs/experiments/search_timing.py out 0.8                 # checkpoint, temperature
     python docs/experiments/search_timing.py out-shakespeare 0 prompts/prose_unseen.jsonl
@@ -32,7 +32,8 @@ from ss_mini.extras import make_tree
 from ss_mini.generate import generate_speculative
 from ss_mini.io.checkpoint import load_model
 from ss_mini.lab.measure import machine, run_interleaved, run_kwargs, speculative, summarize
-from ss_mini.lab.tree_choice import METHOD, decode_kwargs, kind, pick, pick_prompts, tree_search
+from ss_mini.lab.tree_choice import (METHOD, decode_kwargs, fitting, kind, pick, pick_prompts,
+                                     tree_search)
 from ss_mini.step import speculative_step
 
 
@@ -126,8 +127,7 @@ def main(args):
     model, tok, ckpt = load_model(out_dir, lean=True)
     prompts, calibration = pick_prompts(cfg, ckpt, tok)
     kw, g = decode_kwargs(cfg, tok), model.config.n_drafts
-    specs = [c for c in cfg["candidates"].split(";") if kind(c) in METHOD
-             and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
+    specs = [c for c in fitting(cfg, g) if kind(c) in METHOD]
     trees = [make_tree(c, g) for c in specs]
     m = machine("cpu", "float32")
     print(f"{out_dir}, T={temperature:g}, {prompts_file or 'held-out prompts'}; {m['processor']}, "

@@ -13,7 +13,7 @@ from .measure import (machine, over_runs, prompt_speedups, repeat_rate, run_inte
 from .report import shell_quote
 from ..extras import make_tree
 from .measure import tree_spec
-from .tree_choice import METHOD, choose_trees, decode_kwargs, kind, pick_prompts
+from .tree_choice import METHOD, choose_trees, decode_kwargs, fitting, kind, pick_prompts
 
 # the repository, where prompts/ lives
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,8 +140,7 @@ def pick_check(w, cfg):
     """Does the search's pick carry to the measured prompts? Every candidate with stream nodes
     once on them, interleaved with plain decoding: the pick's speedup there and the best one's."""
     g = w["model"].config.n_drafts
-    specs = [c for c in cfg["candidates"].split(";") if kind(c) in METHOD
-             and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
+    specs = [c for c in fitting(cfg, g) if kind(c) in METHOD]
     trees = [make_tree(c, g) for c in specs]
     ar, *ss = run_interleaved(w["prompts"], [speculative(w["model"], t, w["kw"])
                                              for t in (None, *trees)])

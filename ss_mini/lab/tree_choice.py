@@ -105,8 +105,7 @@ def tree_search(model, calibration, cfg, kw, log):
     plain decoding or prompt lookup alone would give. Returns (that spec, the rows (spec, nodes,
     summary))."""
     g = model.config.n_drafts
-    candidates = [c for c in cfg["candidates"].split(";")  # those as deep as the model drafts
-                  if c and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
+    candidates = fitting(cfg, g)
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
     decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)]
@@ -137,6 +136,12 @@ def tree_search(model, calibration, cfg, kw, log):
         unreliable(f"an autoregressive pass took {1e3 * min(ar_ms):.2f} to "
                    f"{1e3 * max(ar_ms):.2f} ms across the calibration prompts of the tree search")
     return best[0], rows
+
+
+def fitting(cfg, g):
+    """The candidate trees (specs) of cfg as deep as a model that drafts g tokens ahead."""
+    return [c for c in cfg["candidates"].split(";")
+            if c and (c.startswith("n") or len(c.split("+")[0].split(",")) <= g)]
 
 
 def pick(rows, noise, tie_margin):
