@@ -1,6 +1,8 @@
 """The baseline: KV-cached autoregressive decoding, one token per row per forward pass, with
 the same model, cache, sampler and rows of a batch as Speculative Streaming (generate.py), so
 that a speedup measures the method and nothing else."""
+import time
+
 import torch
 
 from .masks import attention_window
@@ -24,16 +26,17 @@ def ar_step(model, cache, root, sampler, window):
 
 @torch.inference_mode()
 def generate_ar(model, prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                seed=None, eot=None, on_tokens=None, batch_size=None, step=ar_step):
+                seed=None, eot=None, on_tokens=None, batch_size=None, step=ar_step,
+                clock=time.perf_counter):
     """KV-cached autoregressive decoding: one token per row per forward pass (the baseline).
 
-    prompts, on_tokens, batch_size and the result: as `generate_speculative`'s."""
+    prompts, on_tokens, batch_size, clock and the result: as `generate_speculative`'s."""
     T, V = model.config.block_size, model.config.vocab_size
     prompts, single = prepare(model, prompts, max_new_tokens, batch_size)
     B = min(len(prompts), batch_size or len(prompts))
     check_memory(model, B, T, 1)
     sampler = Sampler(temperature, top_k, top_p, seed, model.lm_head.weight.device)
-    batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, 0, T, sampler, batch_size)
+    batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, 0, T, sampler, batch_size, clock)
     window = ar_window(batch.cache)
     while batch.going:
         sampler.draw_ahead(B, V)

@@ -7,6 +7,8 @@ of a batch decodes as it would alone. Sampled outputs follow plain sampling's di
 exactly; rows of a batch share one generator, so they match a lone decode in distribution only.
 A full row is rebuilt from its last block_size // 2 tokens (one prefill), in both decoders.
 """
+import time
+
 import torch
 
 from .sampling import Sampler
@@ -17,7 +19,7 @@ from .step import speculative_step
 @torch.inference_mode()
 def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, top_k=None,
                          top_p=None, seed=None, eot=None, on_tokens=None, batch_size=None,
-                         step=speculative_step, observe=None):
+                         step=speculative_step, observe=None, clock=time.perf_counter):
     """Speculative Streaming: each forward pass verifies a tree draft and drafts the next one.
 
     prompts: a token list, or a list of token lists of any lengths (a batch). Returns the new
@@ -26,7 +28,8 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     once, the next taking the place of one that finishes (None: all at once). tree: from
     `make_tree`.
     step: speculative_step, compiled or not, or one with another forward (extras/pruning.py).
-    observe: called after each decode pass with what it did (step.py, lab/trace.py)."""
+    observe: called after each decode pass with what it did (step.py, lab/trace.py).
+    clock: what Stats' seconds are read from (serving.py's `Batch`)."""
     cfg, w = model.config, model.lm_head.weight
     if cfg.n_drafts == 0:
         raise ValueError("this model has no speculative streams (n_streams=0): train one with "
@@ -37,7 +40,7 @@ def generate_speculative(model, prompts, max_new_tokens, tree, temperature=0.0, 
     check_memory(model, B, tree.max_len, tree.max_len - cfg.block_size)
     sampler = Sampler(temperature, top_k, top_p, seed, w.device)
     batch = Batch(model, prompts, max_new_tokens, eot, on_tokens, tree.draft_depth, tree.max_len,
-                  sampler, batch_size)
+                  sampler, batch_size, clock)
     while batch.going:
         sampler.draw_ahead(B, cfg.vocab_size, tree)
         chains = tree.chains(batch.contexts()) if tree.lookup_length else None

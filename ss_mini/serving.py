@@ -95,13 +95,14 @@ class Batch:
     for the prompts that join). When none waits, a finished row rides along, its tokens
     dropped, until every row is done: the batch keeps its size, so every step has the same
     shapes (one compiled graph). A row whose cache is full is rebuilt from its last
-    block_size // 2 tokens (the sliding window of one sequence, row by row)."""
+    block_size // 2 tokens (the sliding window of one sequence, row by row). clock: what
+    Stats' seconds are read from (lab/lockstep.py gives each decoder its own)."""
 
     def __init__(self, model, prompts, max_new_tokens, eot, on_tokens, draft_depth, cache_slots,
-                 sampler, max_rows=None):
+                 sampler, max_rows=None, clock=time.perf_counter):
         self.model, self.max_new, self.eot, self.on_tokens = model, max_new_tokens, eot, on_tokens
-        self.draft_depth, self.sampler = draft_depth, sampler
-        self.t0 = time.perf_counter()
+        self.draft_depth, self.sampler, self.clock = draft_depth, sampler, clock
+        self.t0 = clock()
         self.stats = Stats(passes=1, row_seconds=[0.0] * len(prompts))
         self.ctx = [list(p) for p in prompts]  # each prompt's accepted tokens
         self.out = [[] for _ in prompts]
@@ -143,7 +144,7 @@ class Batch:
             if len(free) > len(self.queue) and not self.stats.full_seconds:  # fewer rows from now
                 st = self.stats
                 st.full_tokens, st.full_passes = self.emitted, st.passes
-                st.full_seconds = time.perf_counter() - self.t0
+                st.full_seconds = self.clock() - self.t0
             if self.queue:
                 return self.join(free[:len(self.queue)])
             if len(self.done) == len(self.out):
@@ -167,7 +168,7 @@ class Batch:
         if self.on_tokens and shown:
             self.on_tokens(b, shown)
         if (out and out[-1] == self.eot) or len(out) >= self.max_new:
-            self.stats.row_seconds[b] = time.perf_counter() - self.started[b]
+            self.stats.row_seconds[b] = self.clock() - self.started[b]
             self.done.add(b)
             return True
         return False
@@ -193,7 +194,7 @@ class Batch:
         """The next prompts waiting take the rows `free`: one prefill pass, their first tokens."""
         for i in free:
             b = self.prompt_of[i] = self.queue.pop(0)
-            self.started[b] = time.perf_counter()
+            self.started[b] = self.clock()
         logits = self._fill(free)
         roots = self.sampler.pick(logits)
         self.roots[torch.tensor(free, device=roots.device)] = roots
@@ -218,5 +219,5 @@ class Batch:
         """The outputs (end-of-text dropped) and the Stats."""
         outs = [o[:-1] if o and o[-1] == self.eot else o for o in self.out]
         self.stats.new_tokens = sum(map(len, outs))
-        self.stats.seconds = time.perf_counter() - self.t0
+        self.stats.seconds = self.clock() - self.t0
         return (outs[0] if single else outs), self.stats

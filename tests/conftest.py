@@ -76,12 +76,11 @@ def fake_tree_search(monkeypatch, timings, n_drafts=4, prompts=("p0", "p1"), slo
                                seconds=seconds * (drain or {}).get(repr(tree), 1), full_tokens=24,
                                full_passes=passes, full_seconds=seconds)
 
-    from ss_mini.lab import measure
-    monkeypatch.setattr(tree_choice, "generate_ar", fake_ar)  # the search's baseline
-    # measure.speculative makes each tree's decoder
-    monkeypatch.setattr(measure, "generate_ar", fake_ar)
-    monkeypatch.setattr(measure, "generate_speculative", fake_ss)
-    model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts))
+    from ss_mini.lab import lockstep, measure
+    for module in (lockstep, measure):  # the search's decoders, and the measured ones
+        monkeypatch.setattr(module, "generate_ar", fake_ar)
+        monkeypatch.setattr(module, "generate_speculative", fake_ss)
+    model = SimpleNamespace(config=SimpleNamespace(n_drafts=n_drafts), kv_memory={})
     cfg = dict(bench.config, candidates=";".join(timings), **cfg)
     best, rows = tree_choice.tree_search(model, list(prompts), cfg, dict(max_new_tokens=256),
                                          lambda *a: None)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -68,6 +69,45 @@ def test_tree_search_decodes_calibration_tokens(monkeypatch):
     assert asked[:3] == [32] * 3 and set(asked[3:]) == {100}
     _, asked = search(monkeypatch, timings, calibration_tokens=1000)
     assert set(asked[3:]) == {256}  # never more than max_new_tokens
+
+
+def test_lockstep_decoders_take_turns_pass_by_pass(monkeypatch):
+    """The search's timing (ss_mini/lab/lockstep.py): the decoders decode as they would alone,
+    one pass each in turn while both are going, and each one's clock counts only its turns."""
+    from conftest import random_model
+    from ss_mini.baseline import generate_ar
+    from ss_mini.extras import make_tree
+    from ss_mini.generate import generate_speculative
+    from ss_mini.lab import lockstep
+    model, tree = random_model(std=0.3), make_tree("1,1", 3)
+    kw = dict(max_new_tokens=12, temperature=0.8, seed=3)
+    alone = [generate_ar(model, p, **kw)[0] for p in ([1, 2, 3], [4, 5])]
+    alone_ss = [generate_speculative(model, p, tree=tree, **kw)[0] for p in ([1, 2, 3], [4, 5])]
+    turns = []
+    for name in ("ar_step", "speculative_step"):
+        real = getattr(lockstep, name)
+        monkeypatch.setattr(lockstep, name, (lambda real, name: lambda *a, **k: turns.append(
+            name) or real(*a, **k))(real, name))
+    t0 = time.perf_counter()
+    ar, ss = lockstep.run_lockstep(model, [[1, 2, 3], [4, 5]], [None, tree], kw)
+    wall = time.perf_counter() - t0
+    assert [out for out, _ in ar] == alone and [out for out, _ in ss] == alone_ss
+    both = 2 * min(st.passes for _, st in ss) - 2  # passes while both decode (prefill left out)
+    assert turns[:both] == ["ar_step", "speculative_step"] * (both // 2)
+    assert sum(st.seconds for _, st in ar + ss) < wall  # each clock stops while it waits
+
+
+def test_a_lockstep_decoder_that_fails_stops_none_of_the_others(monkeypatch):
+    from conftest import random_model
+    from ss_mini.extras import make_tree
+    from ss_mini.lab import lockstep
+
+    def fail(*a, **kw):
+        raise ValueError("a tree that does not fit")
+    monkeypatch.setattr(lockstep, "generate_speculative", fail)
+    with pytest.raises(ValueError, match="does not fit"):
+        lockstep.run_lockstep(random_model(), [[1, 2]], [make_tree("1,1", 3), None],
+                              dict(max_new_tokens=4))
 
 
 def test_over_runs_gives_the_median_run_and_the_range():
@@ -193,9 +233,12 @@ def test_suite_json_and_its_worked_example(tiny_ckpt):
     assert doc["checkpoints"][0]["corpus"]["sha256"]
     # the Markdown
     assert "| model | text | decoding |" in r.stderr and "### Worked example" in r.stderr
-    # the pick's check on the first checkpoint: every candidate once, the Markdown says how many
+    # the pick's check on the first checkpoint: every candidate --repeats times, the Markdown
+    # says how many of each
     assert set(rows[0]["pick_check"]["speedups"]) == {"1,1", "n4"}
-    assert "(one run each: the best of 2 single runs is lifted by their noise)" in r.stderr
+    assert rows[0]["pick_check"]["runs"] == 2
+    assert "Each of the 2 candidates with stream nodes on the measured prompts of the first " \
+        "checkpoint, the median of 2 runs each:" in r.stderr
     ex = doc["worked_example"]
     taus = ex["greedy_taus"]  # of the first row's prompts: the example is the one in the middle
     assert len(taus) == 3 and ex["greedy"]["tau"] == taus[ex["prompt_index"]] == sorted(taus)[1]
@@ -275,9 +318,11 @@ def test_a_suite_row_that_decodes_plainly_is_in_the_table(tiny_ckpt, monkeypatch
     assert any(line.startswith("Tree none: no candidate had stream nodes")
                for p in out for line in p.splitlines())
     # the pick's check on every row with streams, and each code row per checkpoint
-    picks = next(p for p in out if p.startswith("| model | text | decoding | the pick")).splitlines()
+    picks = next(p for p in out
+                 if p.startswith("| model | text | decoding | the pick")).splitlines()
     assert len(picks) == 2 + 4 and all("`1,1`" in line for line in picks[2:])
-    per = next(p for p in out if p.startswith("| model | text | decoding | checkpoint")).splitlines()
+    per = next(p for p in out
+               if p.startswith("| model | text | decoding | checkpoint")).splitlines()
     assert len(per) == 2 + 3 * 2 + 3 and per[2].count(f"`{tiny_ckpt}`") == 1
 
 

@@ -92,9 +92,11 @@ def table_markdown(doc):
     checks = [r for r in rows if r.get("pick_check") and r["pick_check"]["speedup"]]
     if checks:
         n = max(len(r["pick_check"]["speedups"]) for r in checks)
-        out += ["", "Does the pick carry? Every candidate with stream nodes once on the measured "
-                f"prompts of the first checkpoint (one run each: the best of {n} single runs is "
-                "lifted by their noise):", "",
+        runs = checks[0]["pick_check"].get("runs", 1)
+        out += ["", f"Does the pick carry? Each of the {n} candidates with stream nodes on the "
+                "measured prompts of the first checkpoint, "
+                + ("one run each (the best of single runs is lifted by their noise):" if runs == 1
+                   else f"the median of {runs} runs each:"), "",
                 "| model | text | decoding | the pick there | the best there |",
                 "|---|---|---|---|---|"]
         for r in checks:

@@ -138,17 +138,24 @@ def summarize_row(row, items):
 
 def pick_check(w, cfg):
     """Does the search's pick carry to the measured prompts? Every candidate with stream nodes
-    once on them, interleaved with plain decoding: the pick's speedup there and the best one's."""
+    on them, interleaved with plain decoding, --repeats runs (sampling with seed + run): the
+    median run's speedup of the pick there and of the best one, so that the best is not the
+    luckiest of many single runs."""
     g = w["model"].config.n_drafts
     specs = [c for c in fitting(cfg, g) if kind(c) in METHOD]
     trees = [make_tree(c, g) for c in specs]
-    ar, *ss = run_interleaved(w["prompts"], [speculative(w["model"], t, w["kw"])
-                                             for t in (None, *trees)])
-    speedups = {c: summarize(ar, s)["speedup"] for c, s in zip(specs, ss)}
+    runs = {c: [] for c in specs}
+    for k in range(cfg["repeats"]):
+        kw = run_kwargs(w["kw"], k)
+        ar, *ss = run_interleaved(w["prompts"], [speculative(w["model"], t, kw)
+                                                 for t in (None, *trees)])
+        for c, s in zip(specs, ss):
+            runs[c].append(summarize(ar, s)["speedup"])
+    speedups = {c: statistics.median_low(x) for c, x in runs.items()}
     best = max(speedups, key=speedups.get)
     picked = tree_spec(w["tree"])
     return dict(tree=picked, speedup=speedups.get(picked), best_tree=best,
-                best_speedup=speedups[best], speedups=speedups)
+                best_speedup=speedups[best], speedups=speedups, runs=cfg["repeats"])
 
 
 def load_checkpoints(cfg, dirs, device, dtype):

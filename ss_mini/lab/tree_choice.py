@@ -16,8 +16,8 @@ from . import plot
 from ..io.checkpoint import training_data
 from ..io.cli import UsageError
 from ..io.data import load_split
-from ..baseline import generate_ar
-from .measure import prompt_speedups, run_interleaved, run_pair, speculative, summarize, unreliable
+from .lockstep import run_lockstep
+from .measure import prompt_speedups, run_pair, summarize, unreliable
 from ..extras import make_tree
 from ..extras.lookup import LookupTree
 
@@ -99,20 +99,18 @@ def tree_search(model, calibration, cfg, kw, log):
     all of a queue's rows decode (what tokens/s reports; a prompt alone: the same), and of
     those the one with the fewest nodes, then the highest tau (a near-tie is the machine's
     noise, and the smaller tree is the one that two runs agree on). Every decoder is warmed
-    up on the first prompt; then all take turns on each prompt before the next prompt starts,
-    so a burst of load on this machine spreads over many candidates instead of deciding one
-    row. The pick is among the trees with stream nodes (`METHOD`): the method's figure, whatever
-    plain decoding or prompt lookup alone would give. Returns (that spec, the rows (spec, nodes,
-    summary))."""
+    up on the first prompt; then all decode each prompt at once, one pass each in turn
+    (lockstep.py), so that a slow spell of this machine falls on every candidate alike instead
+    of deciding one row. The pick is among the trees with stream nodes (`METHOD`): the method's
+    figure, whatever plain decoding or prompt lookup alone would give. Returns (that spec, the
+    rows (spec, nodes, summary))."""
     g = model.config.n_drafts
     candidates = fitting(cfg, g)
     kw = {**kw, "max_new_tokens": min(kw["max_new_tokens"], cfg["calibration_tokens"])}
     trees = [make_tree(spec, g) for spec in candidates]
-    decoders = lambda kw: ([lambda p: generate_ar(model, p, **kw)]
-                           + [speculative(model, t, kw) for t in trees])
     warm = {**kw, "max_new_tokens": min(kw["max_new_tokens"], 32)}
-    run_interleaved(calibration[:1], decoders(warm))  # warm-up
-    ar, *ss = run_interleaved(calibration, decoders(kw))
+    run_lockstep(model, calibration[:1], [None, *trees], warm)  # warm-up
+    ar, *ss = run_lockstep(model, calibration, [None, *trees], kw)
     # a candidate's speedup: the median over the calibration prompts of its speedup on each,
     # so that a slow spell of the machine during one decode does not decide the pick
     rows = [(spec, len(t) if t else 0,
@@ -164,8 +162,9 @@ def pick(rows, noise, tie_margin):
 def log_search(rows, fastest, best, calibration, cfg, kw, log):
     """The tree search's table, the fastest and the chosen tree marked."""
     log(f"tree search on {n_prompts(calibration)} calibration prompts, {kw['max_new_tokens']} new "
-        f"tokens each, against one autoregressive baseline of "
-        f"{rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
+        "tokens each, every candidate and one autoregressive baseline decoding each prompt at "
+        "once, a pass each in turn (so each runs slower than alone: the figures rank the trees); "
+        f"the baseline at {rows[0][2]['ar_tokens_per_s']:.0f} tokens/s:")
     log(f"{'tree':>8} {'nodes':>5} {'SS tok/s':>9} {'speedup':>8} {'busy':>6} {'tau':>5} {'CR':>5} "
         f"{'SS ms/pass':>10}  (speedup: the median over the prompts, each over its whole decode; "
         "busy: while all rows decode)")
