@@ -11,8 +11,11 @@ import pytest
 import torch
 
 import bench
-from conftest import fake_tree_search
-from ss_mini.lab import measure, step_cost
+from conftest import fake_tree_search, random_model
+from ss_mini.baseline import generate_ar
+from ss_mini.extras import make_tree
+from ss_mini.generate import generate_speculative
+from ss_mini.lab import lockstep, measure, step_cost
 from ss_mini.lab.measure import over_runs
 from ss_mini.lab.report import shell_quote
 
@@ -74,11 +77,6 @@ def test_tree_search_decodes_calibration_tokens(monkeypatch):
 def test_lockstep_decoders_take_turns_pass_by_pass(monkeypatch):
     """The search's timing (ss_mini/lab/lockstep.py): the decoders decode as they would alone,
     one pass each in turn while both are going, and each one's clock counts only its turns."""
-    from conftest import random_model
-    from ss_mini.baseline import generate_ar
-    from ss_mini.extras import make_tree
-    from ss_mini.generate import generate_speculative
-    from ss_mini.lab import lockstep
     model, tree = random_model(std=0.3), make_tree("1,1", 3)
     kw = dict(max_new_tokens=12, temperature=0.8, seed=3)
     alone = [generate_ar(model, p, **kw)[0] for p in ([1, 2, 3], [4, 5])]
@@ -98,9 +96,6 @@ def test_lockstep_decoders_take_turns_pass_by_pass(monkeypatch):
 
 
 def test_a_lockstep_decoder_that_fails_stops_none_of_the_others(monkeypatch):
-    from conftest import random_model
-    from ss_mini.extras import make_tree
-    from ss_mini.lab import lockstep
 
     def fail(*a, **kw):
         raise ValueError("a tree that does not fit")
@@ -429,6 +424,5 @@ def test_batches_are_queues_of_two_waves_of_mixed_lengths():
 def test_a_tree_is_named_by_the_spec_that_makes_it():
     """Reports name a tree by its spec, `none` for plain decoding, never Python's None."""
     from ss_mini.lab.measure import tree_spec
-    from ss_mini.extras import make_tree
     for spec in ("none", "1,1,1", "3,2,1", "n8"):
         assert tree_spec(make_tree(spec, 4)) == spec

@@ -7,12 +7,11 @@ Each decoder runs in a thread of its own and decodes only while it holds a baton
 to the next decoder at each step; its clock (the seconds of its Stats) counts only the time it
 held the baton: its prefill, and each pass with what the loop does around it. Each decoder has
 KV cache memory of its own (a model keeps one per cache size: `GPT.kv_memory`), which it
-takes up with the baton. The figures rank the decoders; they run a little below what each
-decoder gives alone, which has the machine's caches to itself.
+takes up with the baton. The figures rank the decoders: each one runs slower than it would
+alone (docs/seeds.md).
 """
 import threading
 import time
-
 
 from ..baseline import ar_step, generate_ar
 from ..generate import generate_speculative
@@ -24,7 +23,7 @@ class Lockstep:
     them. Their KV cache memory is kept from one run to the next."""
 
     def __init__(self, model, n):
-        self.model, self.n = model, n
+        self.model = model
         self.memory = [{} for _ in range(n)]
 
     def run(self, prompt, trees, kw):
